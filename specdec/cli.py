@@ -1,0 +1,219 @@
+"""The `specdec` command line. Bad input ends with one line saying what is wrong and what to do."""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from specdec.errors import SpecdecError
+
+
+def _fail(message: str, code: int = 2) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def friendly(fn):
+    """Turn input errors and Ctrl-C into one line and a non-zero exit, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SpecdecError as e:
+            _fail(str(e))
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
+        except MemoryError:
+            _fail("out of memory: try a smaller --max-len or a quantized bundle")
+
+    return wrapper
+
+
+def _build(cls, **kwargs):
+    """Construct a validated config; its ValueError is the user's input error."""
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise SpecdecError(str(e)) from None
+
+
+@click.group()
+@click.version_option(package_name="specdec")
+def main() -> None:
+    """Speculative decoding for LLMs on laptops and edge devices."""
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Bundle folder to write.")
+@click.option("--drafter", default="ngram", show_default=True,
+              help="none | ngram | self-int8 | self-int4 | model:PATH (another specdec bundle).")
+@click.option("--precision", default="fp32", show_default=True, help="Target precision: fp32 | int8 | int4.")
+@click.option("--max-len", default=2048, show_default=True, help="Default KV buffer length (tokens).")
+@click.option("--draft-len", default=4, show_default=True, help="Default number of drafted tokens per round.")
+@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@friendly
+def export(model, out_dir, drafter, precision, max_len, draft_len, force):
+    """Export MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct) into a bundle."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from specdec.export.bundle import ExportConfig, export_bundle
+
+    cfg = ExportConfig(drafter=drafter, precision=precision, max_len=max_len, draft_len=draft_len, force=force)
+    t0 = time.perf_counter()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False,
+                  disable=not sys.stderr.isatty(), console=None) as progress:
+        state = {"task": None}
+
+        def step(desc: str) -> None:
+            if state["task"] is not None:
+                progress.update(state["task"], completed=1, total=1)
+            state["task"] = progress.add_task(desc, total=None)
+            if not sys.stderr.isatty():
+                click.echo(f"- {desc}", err=True)
+
+        manifest = export_bundle(model, out_dir, cfg, step=step)
+        progress.update(state["task"], completed=1, total=1)
+    size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
+    click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, target {manifest.graphs['target'].precision}, "
+               f"drafter {cfg.drafter}) in {time.perf_counter() - t0:.0f} s")
+
+
+def _runtime_options(provider: str, threads: int):
+    from specdec.runtime.session import RuntimeOptions
+
+    return _build(RuntimeOptions, provider=provider, threads=threads)
+
+
+def _gen_config(max_new_tokens, temperature, top_k, top_p, seed, draft_len, stop, chat=True):
+    from specdec import GenerationConfig, SamplingConfig
+
+    sampling = _build(SamplingConfig, temperature=temperature, top_k=top_k, top_p=top_p)
+    return _build(GenerationConfig, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                  draft_len=draft_len, stop=tuple(stop), chat=chat)
+
+
+def _parse_draft_len(ctx, param, value):
+    if value is None or value == "auto":
+        return value
+    try:
+        k = int(value)
+    except ValueError:
+        raise click.BadParameter("must be an integer >= 0 or 'auto'") from None
+    if k < 0:
+        raise click.BadParameter("must be >= 0 (0 = no speculation)")
+    return k
+
+
+def generation_options(fn):
+    opts = [
+        click.option("--max-new-tokens", default=256, show_default=True),
+        click.option("--temperature", default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--top-k", default=0, show_default=True, help="0 = off."),
+        click.option("--top-p", default=1.0, show_default=True, help="1.0 = off."),
+        click.option("--seed", type=int, default=None, help="Seed for sampling."),
+        click.option("--draft-len", callback=_parse_draft_len, default=None,
+                     help="Drafted tokens per round: K, 'auto', or 0 for plain decoding (default: the bundle's)."),
+        click.option("--drafter", type=click.Choice(["none", "ngram", "model"]), default=None,
+                     help="Override the bundle's drafter."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--max-len", type=int, default=None, help="KV buffer length in tokens (default: the bundle's)."),
+        click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True),
+        click.option("--threads", default=0, show_default=True, help="Intra-op threads (0 = all cores)."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _engine(bundle, drafter, max_len, provider, threads):
+    import specdec
+
+    return specdec.load(bundle, drafter=drafter, max_len=max_len, runtime=_runtime_options(provider, threads))
+
+
+def _stats_line(stats) -> str:
+    s = stats.to_dict()
+    pos = " ".join(f"{a:.2f}" for a in s["acceptance_by_position"] if a is not None)
+    return (f"[{s['new_tokens']} tokens | {s['decode_tok_s']:.1f} tok/s | ttft {1000 * s['ttft_s']:.0f} ms | "
+            f"tau {s['tau']:.2f} | accepted {s['accepted']}/{s['drafted']}" + (f" | by position {pos}" if pos else "")
+            + "]")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.argument("prompt")
+@generation_options
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--stats/--no-stats", default=True, show_default=True, help="Print a stats line after the text.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, finish reason, stats).")
+@friendly
+def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, drafter, stop, max_len,
+             provider, threads, raw, stats, as_json):
+    """Generate a reply to PROMPT with the bundle, streaming it."""
+    cfg = _gen_config(max_new_tokens, temperature, top_k, top_p, seed, draft_len, stop, chat=not raw)
+    engine = _engine(bundle, drafter, max_len, provider, threads)
+    if as_json:
+        g = engine.generate(prompt, cfg)
+        click.echo(json.dumps({"text": g.text, "finish_reason": g.finish_reason, "stats": g.stats.to_dict()}))
+        return
+    for piece in engine.stream(prompt, cfg):
+        click.echo(piece, nl=False)
+    click.echo()
+    if stats:
+        click.echo(_stats_line(engine.last_stats), err=True)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@generation_options
+@click.option("--system", default=None, help="System prompt.")
+@friendly
+def chat(bundle, max_new_tokens, temperature, top_k, top_p, seed, draft_len, drafter, stop, max_len, provider,
+         threads, system):
+    """Chat with the bundle. /reset clears the conversation, /exit quits; Ctrl-C stops an answer."""
+    cfg = _gen_config(max_new_tokens, temperature, top_k, top_p, seed, draft_len, stop)
+    engine = _engine(bundle, drafter, max_len, provider, threads)
+    base = [{"role": "system", "content": system}] if system else []
+    messages = list(base)
+    click.echo("specdec chat: /reset clears the conversation, /exit quits, Ctrl-C stops an answer.", err=True)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            click.echo()
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            messages = list(base)
+            engine.reset()
+            click.echo("(conversation cleared)", err=True)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        try:
+            for piece in engine.stream(messages, cfg):
+                reply += piece
+                click.echo(piece, nl=False)
+        except KeyboardInterrupt:
+            click.echo(" [stopped]", nl=False)
+        except SpecdecError as e:  # e.g. the conversation outgrew the KV buffer: keep the session
+            messages.pop()
+            click.echo(f"\nerror: {e}", err=True)
+            continue
+        click.echo()
+        click.echo(_stats_line(engine.last_stats), err=True)
+        messages.append({"role": "assistant", "content": reply})
+
+
+if __name__ == "__main__":
+    main()

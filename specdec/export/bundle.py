@@ -1,0 +1,160 @@
+"""`specdec export`: target (+ drafter) -> bundle folder with ONNX graphs, tokenizer and manifest.
+
+The bundle is written into `<out>.partial` and renamed into place at the end, so an interrupted
+export never leaves a half-written bundle where a good one (or nothing) was.
+"""
+from __future__ import annotations
+
+import shutil
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import specdec
+from specdec.errors import SpecdecError
+from specdec.export.graph import (CONTROL_INPUTS, build_decoder_graph, kv_input_names, kv_output_names,
+                                  model_config_from_hf, save_graph, weights_from_torch)
+from specdec.quant.weight_only import WeightQuantConfig, quantize_weights
+from specdec.runtime.manifest import (MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
+                                      read_manifest, sha256_file)
+from specdec.runtime.tokenizer import vocab_digest
+
+# Target precisions: weight-only quantization that keeps fp32 activations, so a T-token verification
+# computes what T single steps compute and greedy speculation stays token-identical.
+TARGET_QUANT = {
+    "int8": WeightQuantConfig(bits=8, block_size=32, accuracy_level=0),
+    "int4": WeightQuantConfig(bits=4, block_size=32, accuracy_level=0),
+}
+# Self-drafts never reach the output, so they take the fastest kernels (int8 activations).
+SELF_DRAFT_QUANT = {
+    "self-int8": WeightQuantConfig(bits=8, block_size=32, accuracy_level=4),
+    "self-int4": WeightQuantConfig(bits=4, block_size=32, accuracy_level=4),
+}
+DRAFTERS = ("none", "ngram", *SELF_DRAFT_QUANT, "model:PATH")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    drafter: str = "ngram"
+    precision: str = "fp32"
+    max_len: int = 2048  # default KV buffer length a runtime allocates (it can ask for another)
+    draft_len: int = 4
+    max_ngram: int = 3
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("fp32", *TARGET_QUANT):
+            raise SpecdecError(f"unknown precision {self.precision!r}", f"choose one of fp32, {', '.join(TARGET_QUANT)}")
+        if not (self.drafter in DRAFTERS[:-1] or self.drafter.startswith("model:")):
+            raise SpecdecError(f"unknown drafter {self.drafter!r}", f"choose one of {', '.join(DRAFTERS)}")
+        if self.max_len <= 0 or self.draft_len <= 0:
+            raise SpecdecError("--max-len and --draft-len must be > 0")
+
+
+def _graph_spec(file: str, cfg: ModelConfig, precision: str, n_layers: int, hidden: tuple[int, ...] = (),
+                quant: dict | None = None) -> GraphSpec:
+    return GraphSpec(file=file, model=cfg, precision=precision, n_layers=n_layers,
+                     inputs=CONTROL_INPUTS + tuple(kv_input_names(n_layers)),
+                     outputs=("logits", *kv_output_names(n_layers), *(f"hidden.{t}" for t in hidden)),
+                     hidden_layers=hidden, quant=quant or {})
+
+
+def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: ExportConfig,
+                  step: Callable[[str], object] | None = None) -> Manifest:
+    """Export and return the manifest. `step(description)` is called as each stage starts (progress)."""
+    step = step or (lambda _desc: nullcontext())
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not cfg.force:
+        raise SpecdecError(f"output folder {out_dir} already exists", "pass --force to replace it")
+    draft_bundle = None
+    if cfg.drafter.startswith("model:"):
+        draft_bundle = Path(cfg.drafter.split(":", 1)[1])
+        read_manifest(draft_bundle)  # fail early, before the slow target load
+
+    from specdec.export.source import load_source
+
+    step("loading model")
+    source = load_source(model_path)
+    model_cfg = model_config_from_hf(source.hf_config)
+    if cfg.max_len > model_cfg.max_position:
+        raise SpecdecError(f"--max-len {cfg.max_len} exceeds the model's {model_cfg.max_position} positions")
+    weights = weights_from_torch(source.model)
+    del source.model  # the numpy copy is all we need from here on
+
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    graphs: dict[str, GraphSpec] = {}
+    L = model_cfg.n_layers
+
+    step(f"writing target graph ({cfg.precision})")
+    if cfg.precision == "fp32":
+        save_graph(build_decoder_graph(model_cfg, weights), partial / "target.onnx")
+        graphs["target"] = _graph_spec("target.onnx", model_cfg, "fp32", L)
+    else:
+        qcfg = TARGET_QUANT[cfg.precision]
+        save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
+                   partial / "target.onnx")
+        graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, quant=qcfg.to_dict())
+
+    step("writing tokenizer")
+    tok = source.tokenizer
+    tok.backend_tokenizer.save(str(partial / "tokenizer.json"))
+    from tokenizers import Tokenizer
+
+    eos = _eos_ids(source)
+    tok_spec = TokenizerSpec(file="tokenizer.json", bos_token_id=tok.bos_token_id, eos_token_ids=eos,
+                             chat_template=tok.chat_template if isinstance(tok.chat_template, str) else None,
+                             vocab_digest=vocab_digest(Tokenizer.from_file(str(partial / "tokenizer.json"))))
+
+    drafter = DrafterSpec(kind="none", draft_len=cfg.draft_len)
+    if cfg.drafter == "ngram":
+        drafter = DrafterSpec(kind="ngram", max_ngram=cfg.max_ngram, draft_len=cfg.draft_len)
+    elif cfg.drafter in SELF_DRAFT_QUANT:
+        qcfg = SELF_DRAFT_QUANT[cfg.drafter]
+        step(f"writing drafter graph ({cfg.drafter})")
+        save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
+                   partial / "draft.onnx")
+        graphs["draft"] = _graph_spec("draft.onnx", model_cfg, f"int{qcfg.bits}", L, quant=qcfg.to_dict())
+        drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.draft_len)
+    elif draft_bundle is not None:
+        step(f"copying draft model from {draft_bundle}")
+        graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)
+        drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.draft_len)
+
+    step("writing manifest")
+    files = {p.relative_to(partial).as_posix(): sha256_file(p) for p in sorted(partial.rglob("*")) if p.is_file()}
+    manifest = Manifest(tokenizer=tok_spec, graphs=graphs, drafter=drafter, files=files,
+                        default_max_len=cfg.max_len, source=str(source.path), created_by=f"specdec {specdec.__version__}")
+    (partial / MANIFEST_NAME).write_text(manifest.to_json())
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    partial.rename(out_dir)
+    return manifest
+
+
+def _eos_ids(source) -> tuple[int, ...]:
+    ids = []
+    for cand in (getattr(source.hf_config, "eos_token_id", None), source.tokenizer.eos_token_id):
+        for t in cand if isinstance(cand, (list, tuple)) else [cand]:
+            if t is not None and int(t) not in ids:
+                ids.append(int(t))
+    if not ids:
+        raise SpecdecError("the model defines no end-of-sequence token", "add eos_token_id to its config")
+    return tuple(ids)
+
+
+def _copy_draft_bundle(src: Path, dst: Path, target_tok: TokenizerSpec) -> GraphSpec:
+    m = read_manifest(src)
+    if m.tokenizer.vocab_digest != target_tok.vocab_digest:
+        raise SpecdecError(f"drafter bundle {src} has a different vocabulary from the target "
+                           f"(vocab digest {m.tokenizer.vocab_digest[:12]} vs {target_tok.vocab_digest[:12]})",
+                           "a draft model must share the target's tokenizer")
+    g = m.graphs["target"]
+    files = [f for f in m.files if f == g.file or f.startswith(g.file + ".")]
+    for f in files:
+        (dst / "draft" / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / f, dst / "draft" / f)
+    return GraphSpec(file=f"draft/{g.file}", model=g.model, precision=g.precision, n_layers=g.n_layers,
+                     inputs=g.inputs, outputs=g.outputs, hidden_layers=g.hidden_layers, quant=g.quant)

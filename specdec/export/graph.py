@@ -1,0 +1,248 @@
+"""specdec's own ONNX graph writer for Llama-family decoders.
+
+One graph serves prefill, decode and verification: inputs carry explicit positions and the valid
+KV length, and the static KV buffers of every layer are bound as both past input and present output,
+so GroupQueryAttention writes the new K/V in place at [P, P+T). Rolling back rejected drafts is
+then just passing a smaller length next time.
+
+Inputs  input_ids [B,T] int64, position_ids [B,T] int64, seqlens_k [B] int32 (= P+T-1),
+        total_sequence_length [] int32 (= P+T), query_lens [B] int32 (= T),
+        past.{i}.key / past.{i}.value [B, kv_heads, max_len, head_dim] for layer i < n_layers.
+Outputs logits [B,T,vocab], present.{i}.key / present.{i}.value (the same buffers),
+        hidden.{l} [B,T,hidden] for each requested tap l: the residual stream after the first l layers
+        (0 = embeddings, n_layers = before the final norm).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from specdec.runtime.manifest import ModelConfig
+
+OPSET = 17
+MS = "com.microsoft"
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer, every matrix stored [in, out] so that MatMul(x, W) applies it."""
+
+    input_norm: np.ndarray  # [D]
+    qkv: np.ndarray  # [D, (N + 2*KV) * H]
+    qkv_bias: np.ndarray | None  # [(N + 2*KV) * H]
+    o_proj: np.ndarray  # [N*H, D]
+    post_norm: np.ndarray  # [D]
+    gate: np.ndarray  # [D, F]
+    up: np.ndarray  # [D, F]
+    down: np.ndarray  # [F, D]
+
+
+@dataclass
+class DecoderWeights:
+    embed: np.ndarray  # [V, D]
+    layers: list[LayerWeights]
+    final_norm: np.ndarray  # [D]
+    lm_head: np.ndarray | None  # [D, V]; None when tied to `embed`
+    inv_freq: np.ndarray  # [H/2] rotary inverse frequencies (any rope scaling already applied)
+    rope_scale: float = 1.0  # multiplies cos/sin (HF's attention_scaling)
+
+    def with_own_lm_head(self) -> "DecoderWeights":
+        """A tied head as its own [D, V] MatMul weight: weight-only quantizers only see MatMul weights."""
+        if self.lm_head is not None:
+            return self
+        return replace(self, lm_head=np.ascontiguousarray(self.embed.T))
+
+
+def weights_from_torch(model) -> DecoderWeights:
+    """Read a transformers Llama/Mistral/Qwen2 model into plain numpy arrays."""
+    import torch
+
+    def np32(t: "torch.Tensor") -> np.ndarray:
+        return t.detach().to(torch.float32).cpu().numpy()
+
+    inner = model.model
+    layers = []
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = np.concatenate([np32(attn.q_proj.weight), np32(attn.k_proj.weight), np32(attn.v_proj.weight)], axis=0)
+        bias = None
+        if attn.q_proj.bias is not None:
+            bias = np.concatenate([np32(attn.q_proj.bias), np32(attn.k_proj.bias), np32(attn.v_proj.bias)])
+        layers.append(LayerWeights(
+            input_norm=np32(layer.input_layernorm.weight),
+            qkv=np.ascontiguousarray(qkv.T),
+            qkv_bias=bias,
+            o_proj=np.ascontiguousarray(np32(attn.o_proj.weight).T),
+            post_norm=np32(layer.post_attention_layernorm.weight),
+            gate=np.ascontiguousarray(np32(mlp.gate_proj.weight).T),
+            up=np.ascontiguousarray(np32(mlp.up_proj.weight).T),
+            down=np.ascontiguousarray(np32(mlp.down_proj.weight).T),
+        ))
+    tied = bool(model.config.tie_word_embeddings)
+    rotary = inner.rotary_emb
+    return DecoderWeights(
+        embed=np32(inner.embed_tokens.weight),
+        layers=layers,
+        final_norm=np32(inner.norm.weight),
+        lm_head=None if tied else np.ascontiguousarray(np32(model.lm_head.weight).T),
+        inv_freq=np32(rotary.inv_freq),
+        rope_scale=float(getattr(rotary, "attention_scaling", 1.0)),
+    )
+
+
+def model_config_from_hf(hf_config) -> ModelConfig:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return ModelConfig(
+        model_type=hf_config.model_type,
+        n_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        n_heads=hf_config.num_attention_heads,
+        n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        head_dim=head_dim,
+        intermediate_size=hf_config.intermediate_size,
+        vocab_size=hf_config.vocab_size,
+        max_position=hf_config.max_position_embeddings,
+        rms_eps=float(hf_config.rms_norm_eps),
+        tie_embeddings=bool(hf_config.tie_word_embeddings),
+        attention_bias=bool(getattr(hf_config, "attention_bias", False) or hf_config.model_type == "qwen2"),
+    )
+
+
+def kv_input_names(n_layers: int) -> list[str]:
+    return [f"past.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+
+
+def kv_output_names(n_layers: int) -> list[str]:
+    return [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+
+
+CONTROL_INPUTS = ("input_ids", "position_ids", "seqlens_k", "total_sequence_length", "query_lens")
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._n = 0
+
+    def init(self, name: str, arr: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", name: str | None = None,
+           outputs: list[str] | None = None, **attrs) -> list[str]:
+        self._n += 1
+        base = name or f"{op_type}_{self._n}"
+        outs = outputs or [f"{base}/out{i}" for i in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=base, domain=domain or None, **attrs))
+        return outs
+
+
+def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tuple[int, ...] = (),
+                        n_layers: int | None = None) -> onnx.ModelProto:
+    """Write the decoder as ONNX. `n_layers` < cfg.n_layers keeps only the first layers (early exit)."""
+    n_layers = cfg.n_layers if n_layers is None else n_layers
+    if not 0 < n_layers <= cfg.n_layers:
+        raise ValueError(f"n_layers must be in 1..{cfg.n_layers}, got {n_layers}")
+    bad_taps = [t for t in hidden_layers if not 0 <= t <= n_layers]
+    if bad_taps:
+        raise ValueError(f"hidden taps {bad_taps} outside 0..{n_layers}")
+    D, N, KV, H = cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    b = _Builder()
+    eps = float(cfg.rms_eps)
+
+    # Rotary tables for every position the model may see; cos/sin are [max_position, H/2].
+    t = np.arange(cfg.max_position, dtype=np.float64)[:, None] * w.inv_freq.astype(np.float64)[None, :]
+    cos = b.init("rope.cos", (np.cos(t) * w.rope_scale).astype(np.float32))
+    sin = b.init("rope.sin", (np.sin(t) * w.rope_scale).astype(np.float32))
+    embed = b.init("embed.weight", w.embed)
+
+    x = b.op("Gather", [embed, "input_ids"], name="embed")[0]  # [B,T,D]
+    taps: dict[int, str] = {0: x}
+    residual = None
+    pending = None  # output of the previous block, not yet added to the residual stream
+    for i in range(n_layers):
+        lw = w.layers[i]
+        g_in = b.init(f"layers.{i}.input_norm", lw.input_norm)
+        if pending is None:
+            h = b.op("SimplifiedLayerNormalization", [x, g_in], name=f"layers.{i}.input_norm", axis=-1, epsilon=eps)[0]
+            residual = x
+        else:
+            h, _, _, residual = b.op("SkipSimplifiedLayerNormalization", [pending, residual, g_in], n_out=4,
+                                     domain=MS, name=f"layers.{i}.input_norm", epsilon=eps)
+            taps[i] = residual
+        qkv = b.op("MatMul", [h, b.init(f"layers.{i}.qkv.weight", lw.qkv)], name=f"layers.{i}.qkv")[0]  # [B,T,(N+2KV)H]
+        if lw.qkv_bias is not None:
+            qkv = b.op("Add", [qkv, b.init(f"layers.{i}.qkv.bias", lw.qkv_bias)], name=f"layers.{i}.qkv_bias")[0]
+        # Packed QKV: key/value inputs left empty. The KV buffers are shared past/present.
+        attn = b.op("GroupQueryAttention",
+                    [qkv, "", "", f"past.{i}.key", f"past.{i}.value", "seqlens_k", "total_sequence_length",
+                     cos, sin, "position_ids", "", "", "", "", "", "", "query_lens"],
+                    outputs=[f"layers.{i}.attn", f"present.{i}.key", f"present.{i}.value"],
+                    domain=MS, name=f"layers.{i}.gqa", num_heads=N, kv_num_heads=KV, do_rotary=1,
+                    rotary_interleaved=0, scale=float(H ** -0.5))[0]  # [B,T,N*H]
+        o = b.op("MatMul", [attn, b.init(f"layers.{i}.o_proj.weight", lw.o_proj)], name=f"layers.{i}.o_proj")[0]
+        h, _, _, residual = b.op("SkipSimplifiedLayerNormalization",
+                                 [o, residual, b.init(f"layers.{i}.post_norm", lw.post_norm)], n_out=4,
+                                 domain=MS, name=f"layers.{i}.post_norm", epsilon=eps)
+        gate = b.op("MatMul", [h, b.init(f"layers.{i}.gate.weight", lw.gate)], name=f"layers.{i}.gate")[0]  # [B,T,F]
+        up = b.op("MatMul", [h, b.init(f"layers.{i}.up.weight", lw.up)], name=f"layers.{i}.up")[0]  # [B,T,F]
+        act = b.op("Mul", [gate, b.op("Sigmoid", [gate], name=f"layers.{i}.sigmoid")[0]], name=f"layers.{i}.silu")[0]
+        pending = b.op("MatMul", [b.op("Mul", [act, up], name=f"layers.{i}.gated")[0],
+                                  b.init(f"layers.{i}.down.weight", lw.down)], name=f"layers.{i}.down")[0]
+    normed, _, _, residual = b.op("SkipSimplifiedLayerNormalization",
+                                  [pending, residual, b.init("final_norm", w.final_norm)], n_out=4,
+                                  domain=MS, name="final_norm", epsilon=eps)  # [B,T,D]
+    taps[n_layers] = residual
+
+    if w.lm_head is None:
+        # Tied head: Gemm with transB reads the embedding itself, so the weights are stored once.
+        flat = b.op("Reshape", [normed, b.init("shape.flat", np.array([-1, D], np.int64))], name="lm_head.flatten")[0]
+        logits2d = b.op("Gemm", [flat, embed], name="lm_head", transB=1)[0]  # [B*T, V]
+        bt = b.op("Slice", [b.op("Shape", ["input_ids"], name="shape.ids")[0],
+                            b.init("c.0", np.array([0], np.int64)), b.init("c.2", np.array([2], np.int64))],
+                  name="shape.bt")[0]
+        out_shape = b.op("Concat", [bt, b.init("c.vocab", np.array([cfg.vocab_size], np.int64))], axis=0,
+                         name="shape.logits")[0]
+        b.op("Reshape", [logits2d, out_shape], outputs=["logits"], name="lm_head.unflatten")
+    else:
+        b.op("MatMul", [normed, b.init("lm_head.weight", w.lm_head)], outputs=["logits"], name="lm_head")
+
+    tap_outputs = []
+    for t_idx in hidden_layers:
+        b.op("Identity", [taps[t_idx]], outputs=[f"hidden.{t_idx}"], name=f"tap.{t_idx}")
+        tap_outputs.append(helper.make_tensor_value_info(f"hidden.{t_idx}", TensorProto.FLOAT, ["batch", "seq", D]))
+
+    kv_shape = ["batch", KV, "max_len", H]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
+        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
+        helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+        helper.make_tensor_value_info("query_lens", TensorProto.INT32, ["batch"]),
+    ] + [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in kv_input_names(n_layers)]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", cfg.vocab_size])]
+    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in kv_output_names(n_layers)]
+    outputs += tap_outputs
+    graph = helper.make_graph(b.nodes, "specdec_decoder", inputs, outputs, initializer=b.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
+                              producer_name="specdec")
+    model.ir_version = 10
+    return model
+
+
+def save_graph(model: onnx.ModelProto, path, external: bool = True) -> list[str]:
+    """Save with weights in one external file next to the graph; return the file names written."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not external:
+        onnx.save_model(model, str(path))
+        return [path.name]
+    data = path.name + ".data"
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data, size_threshold=1024)
+    return [path.name, data]

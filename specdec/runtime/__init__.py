@@ -1,0 +1,1 @@
+"""The torch-free runtime: numpy + onnxruntime + tokenizers."""

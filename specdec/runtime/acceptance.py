@@ -1,0 +1,103 @@
+"""The acceptance rule: which draft tokens the target keeps, and which token it emits after them.
+
+`speculative_accept` is speculative sampling (Leviathan et al. 2023, Chen et al. 2023): every
+emitted token is distributed exactly as if the target had decoded alone. `greedy_accept` is its
+temperature-0 special case, working on logits so no distribution needs to be built.
+
+Row i of the target's output is its distribution for the token after draft_tokens[:i], so a
+round with k drafts yields k+1 rows; the last one gives the bonus token when all k are accepted.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from specdec.runtime.sampling import sample
+
+
+def greedy_accept(draft_tokens: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
+    """Keep the longest draft prefix that matches the target's argmax; emit the argmax after it.
+
+    Returns (n_accepted, next_token): next_token is the target's correction at the first
+    mismatch, or its bonus token when all k drafts match.
+    """
+    draft_tokens = np.asarray(draft_tokens)  # [k]
+    k = draft_tokens.shape[0]
+    target_logits = np.asarray(target_logits)  # [k+1, vocab]
+    _check_rows(target_logits, k)
+    target_choice = np.argmax(target_logits, axis=-1)  # [k+1]
+    mismatch = draft_tokens != target_choice[:k]  # [k]
+    n_accepted = int(np.argmax(mismatch)) if mismatch.any() else k
+    return n_accepted, int(target_choice[n_accepted])
+
+
+def speculative_accept(
+    draft_tokens: np.ndarray,
+    p_draft: np.ndarray | None,
+    p_target: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """Speculative sampling: accept draft x at row i with probability min(1, p_target[i,x] / p_draft[i,x]).
+
+    On the first rejection the next token is drawn from `residual(p_target[i], p_draft[i])` and the
+    round ends; if all k drafts pass, the bonus token is drawn from p_target[k].
+
+    p_draft None means a deterministic drafter: its draft is one-hot, so x is accepted with
+    probability p_target[i,x] and the correction comes from p_target[i] with x removed.
+
+    A draft with p_draft[i,x] == 0 cannot come from a drafter that samples p_draft, so its
+    p_draft row says nothing about how x was chosen. Accepting it (ratio +inf) would emit
+    whatever the drafter produced off its support; rejecting into the residual would overweight
+    the tokens p_draft under-covers. Either biases the output. Instead the draft is discarded and
+    the token is drawn from p_target[i] itself: whatever x was, that token is distributed as
+    p_target[i], so the output stays exact (a drafter that samples p_draft except for rare
+    off-support slips stays lossless; tests/test_acceptance.py checks that mixture).
+
+    Returns (n_accepted, next_token) as Python ints.
+    """
+    draft_tokens = np.asarray(draft_tokens)  # [k]
+    k = draft_tokens.shape[0]
+    p_target = np.asarray(p_target)  # [k+1, vocab] not widened: only the values used below are
+    _check_rows(p_target, k)
+    if p_draft is not None:
+        p_draft = np.asarray(p_draft)  # [k, vocab]
+        if p_draft.shape != (k, p_target.shape[1]):
+            raise ValueError(f"p_draft has shape {p_draft.shape}, expected {(k, p_target.shape[1])}")
+
+    rows = np.arange(k)
+    p_target_x = p_target[rows, draft_tokens].astype(np.float64)  # [k] target's mass on each draft
+    p_draft_x = np.ones(k) if p_draft is None else p_draft[rows, draft_tokens].astype(np.float64)  # [k]
+    off_support = p_draft_x <= 0.0  # [k] see docstring: such a draft is discarded, not judged
+    # u < p_t/p_d, multiplied out so p_t == 0 never accepts and p_t >= p_d always does. All k
+    # uniforms are drawn up front (one per draft, used or not) so the loop below needs none.
+    accepted = (rng.random(k) * p_draft_x < p_target_x) & ~off_support  # [k]
+    n_accepted = k if accepted.all() else int(np.argmin(accepted))
+    if n_accepted == k:
+        return k, sample(p_target[k], rng)  # bonus token
+    if off_support[n_accepted]:
+        return n_accepted, sample(p_target[n_accepted], rng)
+    if p_draft is None:
+        p_draft_row = np.zeros(p_target.shape[1])  # [vocab] one-hot: the draft was certain
+        p_draft_row[draft_tokens[n_accepted]] = 1.0
+    else:
+        p_draft_row = p_draft[n_accepted]  # [vocab]
+    return n_accepted, sample(residual(p_target[n_accepted], p_draft_row), rng)
+
+
+def residual(p_target_row: np.ndarray, p_draft_row: np.ndarray) -> np.ndarray:
+    """The distribution to draw the correction from after a rejection: norm(max(0, p_target - p_draft)).
+
+    Its mass equals the rejection probability, so it is 0 only when the rows are equal and no
+    rejection can happen. If rounding rejects anyway (p_target[x] a hair under p_draft[x] with
+    no excess elsewhere), p_target is returned: a valid distribution, on an event of ~0 mass.
+    """
+    p_target_row = np.asarray(p_target_row, dtype=np.float64)  # [vocab]
+    excess = np.maximum(p_target_row - p_draft_row, 0.0)  # [vocab]
+    mass = excess.sum()
+    if mass > 0.0:
+        return excess / mass
+    return p_target_row / p_target_row.sum()
+
+
+def _check_rows(target_rows: np.ndarray, k: int) -> None:
+    if target_rows.ndim != 2 or target_rows.shape[0] != k + 1:
+        raise ValueError(f"the target must give k+1 = {k + 1} rows [k+1, vocab], got shape {target_rows.shape}")

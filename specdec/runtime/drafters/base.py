@@ -1,0 +1,57 @@
+"""The one protocol every drafter implements.
+
+Lifecycle (after llama.cpp's common/speculative.h): `begin` with the prompt, then per round
+`propose` -> the target verifies -> `accept` tells the drafter how many of its tokens survived
+and which token the target emitted after them. A drafter never sees the target's KV cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from specdec.runtime.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Tokens proposed for the next positions, and the distribution each was drawn from.
+
+    `p_draft` is None for deterministic drafters (n-gram, greedy chain): the acceptance rule
+    then treats each draft as drawn from a one-hot distribution.
+    """
+
+    tokens: np.ndarray  # [k] int64
+    p_draft: np.ndarray | None = None  # [k, vocab] float32, rows sum to 1
+
+    def __post_init__(self) -> None:
+        if self.tokens.ndim != 1:
+            raise ValueError(f"draft tokens must be 1-D, got shape {self.tokens.shape}")
+        if self.p_draft is not None and self.p_draft.shape[0] != self.tokens.shape[0]:
+            raise ValueError(
+                f"p_draft has {self.p_draft.shape[0]} rows for {self.tokens.shape[0]} draft tokens"
+            )
+
+    @property
+    def k(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    def begin(self, prompt_ids: Sequence[int], sampling: SamplingConfig, rng: np.random.Generator) -> None:
+        """Start a new sequence whose prompt is `prompt_ids` (the target has prefilled it).
+
+        A drafter that samples must process its logits with `sampling` exactly as the target's are
+        processed, and draw from `rng`, so that rejection sampling stays lossless and seeded runs repeat.
+        """
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        """Propose up to `k` tokens following `context` (prompt + every emitted token).
+
+        May return fewer than k tokens, or none (the target then decodes one token plainly).
+        """
+
+    def accept(self, n_accepted: int, next_token: int) -> None:
+        """The first `n_accepted` proposed tokens were kept; the target then emitted `next_token`."""

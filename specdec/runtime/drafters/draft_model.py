@@ -1,0 +1,69 @@
+"""A smaller (or quantized) decoder drafting autoregressively with its own KV cache."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from specdec.runtime.decoder import Decoder
+from specdec.runtime.drafters.base import Draft
+from specdec.runtime.sampling import SamplingConfig, probs_from_logits, sample
+
+
+class ModelDrafter:
+    """Drafts k tokens with k forwards of a draft decoder.
+
+    `ids` mirrors what the draft KV holds. Each propose first feeds the context tokens the drafter has
+    not seen (the target's correction or bonus token, or a new prompt), then drafts one token per step.
+    """
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self.ids: list[int] = []
+        self.sampling = SamplingConfig()
+        self.rng = np.random.default_rng(0)
+        self._proposed: list[int] = []
+
+    def begin(self, prompt_ids: Sequence[int], sampling: SamplingConfig, rng: np.random.Generator) -> None:
+        self.sampling, self.rng = sampling, rng
+        # Keep the cached prefix shared with the new prompt (a chat's earlier turns): O(1) rollback.
+        common = 0
+        for a, b in zip(self.ids, prompt_ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt_ids) - 1)  # leave one token for propose to feed
+        self.ids = self.ids[:common]
+        self.decoder.kv.truncate(common)
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        dec, kv = self.decoder, self.decoder.kv
+        pending = list(context[len(self.ids):])
+        k = min(k, kv.max_len - int(kv.lengths[0]) - len(pending) + 1)
+        if k <= 0 or not pending:
+            return Draft(tokens=np.zeros(0, dtype=np.int64))
+        if len(pending) > 1:
+            dec.prefill(np.asarray([pending[:-1]], dtype=np.int64))
+        self.ids += pending
+        step = np.asarray([pending[-1:]], dtype=np.int64)  # [1,1]
+        tokens = np.empty(k, dtype=np.int64)  # [k]
+        p_draft = None if self.sampling.greedy else np.empty((k, dec.model.vocab_size), dtype=np.float32)  # [k, vocab]
+        for i in range(k):
+            logits = dec.forward(step)[0, -1]  # [vocab]
+            kv.advance(1)
+            if p_draft is None:
+                tokens[i] = int(np.argmax(logits))
+            else:
+                p_draft[i] = probs_from_logits(logits, self.sampling)
+                tokens[i] = sample(p_draft[i], self.rng)
+            step[0, 0] = tokens[i]
+        # The KV now holds pending + tokens[:k-1]; the last draft was never fed.
+        self._proposed = tokens[:-1].tolist()
+        self.ids += self._proposed
+        return Draft(tokens=tokens, p_draft=p_draft)
+
+    def accept(self, n_accepted: int, next_token: int) -> None:
+        n_kept = min(n_accepted, len(self._proposed))
+        keep = len(self.ids) - len(self._proposed) + n_kept
+        self.ids = self.ids[:keep]
+        self.decoder.kv.truncate(keep)

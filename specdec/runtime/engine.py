@@ -1,0 +1,184 @@
+"""The public runtime API: load a bundle, then generate or stream text.
+
+    import specdec
+    engine = specdec.load("bundles/smollm2")
+    for piece in engine.stream("Tell me a joke."):
+        print(piece, end="", flush=True)
+    print(engine.last_stats.to_dict())
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence, Union
+
+import numpy as np
+
+from specdec.errors import SpecdecError
+from specdec.runtime.decoder import Decoder
+from specdec.runtime.drafters.base import Drafter
+from specdec.runtime.drafters.draft_model import ModelDrafter
+from specdec.runtime.drafters.ngram import NgramDrafter
+from specdec.runtime.kv import KVCache
+from specdec.runtime.manifest import Manifest, read_manifest
+from specdec.runtime.sampling import SamplingConfig
+from specdec.runtime.session import RuntimeOptions
+from specdec.runtime.speculative import SpecStats, speculate
+from specdec.runtime.tokenizer import StreamDecoder, TextCodec
+
+Prompt = Union[str, Sequence[dict]]  # text, or chat messages [{"role": ..., "content": ...}]
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    draft_len: int | None = None  # None = the bundle's default; 0 = plain decoding
+    chat: bool = True  # apply the chat template to a text prompt
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise SpecdecError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.draft_len is not None and self.draft_len < 0:
+            raise SpecdecError(f"draft length must be >= 0 (0 = no speculation), got {self.draft_len}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "eos" | "stop" | "length" | "kv_full"
+    stats: SpecStats
+
+
+class Engine:
+    def __init__(self, bundle: str | Path, max_len: int | None = None, runtime: RuntimeOptions | None = None,
+                 drafter: str | None = None, verify_checksums: bool = True) -> None:
+        """`drafter` overrides the bundle's: "none", "ngram" or "model" (the bundle's draft graph)."""
+        self.path = Path(bundle)
+        self.manifest: Manifest = read_manifest(self.path, verify_checksums=verify_checksums)
+        self.runtime = runtime or RuntimeOptions()
+        self.max_len = max_len or self.manifest.default_max_len
+        m = self.manifest
+        if not 0 < self.max_len <= m.model.max_position:
+            raise SpecdecError(f"--max-len {self.max_len} is outside 1..{m.model.max_position} (the model's positions)")
+        self.codec = TextCodec(self.path / m.tokenizer.file, m.tokenizer.chat_template, m.tokenizer.bos_token_id,
+                               m.tokenizer.eos_token_ids)
+        self.target = self._decoder("target")
+        self.drafter_kind = drafter or m.drafter.kind
+        self.drafter = self._make_drafter(self.drafter_kind)
+        self.cached_ids: list[int] = []  # what the target's KV holds, for prefix reuse across calls
+        self.last_stats = SpecStats()
+
+    def _decoder(self, name: str) -> Decoder:
+        g = self.manifest.graphs[name]
+        kv = KVCache(g.n_layers, 1, g.model.n_kv_heads, self.max_len, g.model.head_dim,
+                     device=self.runtime.device, device_id=self.runtime.device_id)
+        return Decoder(self.path / g.file, g, g.model, kv, self.runtime)
+
+    def _make_drafter(self, kind: str) -> Drafter | None:
+        m = self.manifest
+        if kind == "none":
+            return None
+        if kind == "ngram":
+            return NgramDrafter(max_ngram=m.drafter.max_ngram)
+        if kind == "model":
+            if m.drafter.graph is None:
+                raise SpecdecError(f"bundle {self.path} has no draft model", "re-export with --drafter self-int8 or model:PATH")
+            draft = m.graphs[m.drafter.graph]
+            if draft.model.vocab_size != m.model.vocab_size:
+                raise SpecdecError(f"draft model vocabulary ({draft.model.vocab_size}) differs from the target's "
+                                   f"({m.model.vocab_size})", "a draft model must share the target's tokenizer")
+            return ModelDrafter(self._decoder(m.drafter.graph))
+        raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram or model")
+
+    def reset(self) -> None:
+        """Forget cached context (the KV stays allocated)."""
+        self.cached_ids = []
+        self.target.kv.reset()
+
+    def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise SpecdecError("the prompt is empty", "pass some text")
+            if chat and self.codec.has_chat_template:
+                return self.codec.apply_chat_template([{"role": "user", "content": prompt}])
+            ids = self.codec.encode(prompt)
+            bos = self.manifest.tokenizer.bos_token_id
+            return ([bos] if bos is not None else []) + ids
+        return self.codec.apply_chat_template(list(prompt))
+
+    def stream_ids(self, prompt_ids: Sequence[int], cfg: GenerationConfig) -> Iterator[list[int]]:
+        """Yield token ids as they are accepted (several at once after a good round); stats in last_stats."""
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise SpecdecError("the prompt is empty", "pass some text")
+        if len(prompt_ids) >= self.max_len:
+            raise SpecdecError(f"the prompt has {len(prompt_ids)} tokens but the KV buffer holds {self.max_len}",
+                               f"raise it with --max-len (the model allows up to {self.manifest.model.max_position})")
+        kv = self.target.kv
+        n_cached = 0
+        for a, b in zip(self.cached_ids, prompt_ids[:-1]):  # keep >= 1 token to prefill for the first logits
+            if a != b:
+                break
+            n_cached += 1
+        kv.truncate(n_cached)
+        self.cached_ids = list(prompt_ids)  # (+ emitted below) mirrors the KV
+        draft_len = self.manifest.drafter.draft_len if cfg.draft_len is None else cfg.draft_len
+        drafter = self.drafter if draft_len > 0 else None
+        rng = np.random.default_rng(cfg.seed)
+        self.last_stats = stats = SpecStats()
+        eos = set(self.manifest.tokenizer.eos_token_ids)
+        n_new = 0
+        for tokens in speculate(self.target, drafter, prompt_ids, n_cached, draft_len, cfg.sampling, rng, stats):
+            self.cached_ids = self.cached_ids[:int(kv.lengths[0])]
+            cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
+            tokens = tokens[:cut][: cfg.max_new_tokens - n_new]
+            n_new += len(tokens)
+            stats.new_tokens = n_new
+            self.cached_ids += tokens
+            yield tokens
+            if cut is not None or n_new >= cfg.max_new_tokens:
+                break
+        self.cached_ids = self.cached_ids[:int(kv.lengths[0])]
+
+    def stream(self, prompt: Prompt, cfg: GenerationConfig | None = None) -> Iterator[str]:
+        """Yield text pieces; the finished Generation is in `last_generation`."""
+        cfg = cfg or GenerationConfig()
+        prompt_ids = self.encode(prompt, cfg.chat)
+        eos = set(self.manifest.tokenizer.eos_token_ids)
+        out = StreamDecoder(self.codec)
+        ids: list[int] = []
+        text = ""
+        reason = "kv_full"
+        for tokens in self.stream_ids(prompt_ids, cfg):
+            ids += tokens
+            piece = out.push([t for t in tokens if t not in eos])
+            text += piece
+            hit = next((s for s in cfg.stop if s in text), None)
+            if hit is not None:
+                emit_upto = text.index(hit)
+                already = len(text) - len(piece)
+                if emit_upto > already:
+                    yield text[already:emit_upto]
+                text, reason = text[:emit_upto], "stop"
+                break
+            if piece:
+                yield piece
+            if tokens and tokens[-1] in eos:
+                reason = "eos"
+            elif len(ids) >= cfg.max_new_tokens:
+                reason = "length"
+        self.last_generation = Generation(text=text, token_ids=ids, finish_reason=reason, stats=self.last_stats)
+
+    def generate(self, prompt: Prompt, cfg: GenerationConfig | None = None) -> Generation:
+        for _ in self.stream(prompt, cfg):
+            pass
+        return self.last_generation
+
+
+def load(bundle: str | Path, **kwargs) -> Engine:
+    return Engine(bundle, **kwargs)

@@ -1,0 +1,194 @@
+"""The bundle manifest (`specdec.json`): frozen, validated dataclasses and their JSON form.
+
+Loading checks the format version, every field, and every file's SHA-256, and names exactly what is
+wrong. Behaviour is chosen from these fields, never by looking at file names.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from specdec.errors import SpecdecError
+
+MANIFEST_NAME = "specdec.json"
+FORMAT = "specdec-bundle"
+FORMAT_VERSION = 1
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+DRAFTER_KINDS = ("none", "ngram", "model")
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder's shape: what the graph writer built and what the runtime allocates KV for."""
+
+    model_type: str
+    n_layers: int
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position: int
+    rms_eps: float
+    tie_embeddings: bool
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "intermediate_size",
+                  "vocab_size", "max_position"):
+            _require(getattr(self, f) > 0, f"model.{f} must be > 0, got {getattr(self, f)}")
+        _require(self.n_heads % self.n_kv_heads == 0,
+                 f"model.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        _require(self.rms_eps > 0, "model.rms_eps must be > 0")
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    file: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    chat_template: str | None = None
+    # SHA-256 of the vocabulary (token -> id) and special tokens: two bundles can share drafts iff equal.
+    vocab_digest: str = ""
+
+    def __post_init__(self) -> None:
+        _require(len(self.eos_token_ids) > 0, "tokenizer.eos_token_ids must not be empty")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One ONNX graph of the bundle. Inputs/outputs are listed so the runtime binds by name, not by guess."""
+
+    file: str
+    model: ModelConfig  # the decoder this graph runs (a draft model's differs from the target's)
+    precision: str
+    n_layers: int  # how many KV layers this graph reads and writes (fewer than model.n_layers for early exit)
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    hidden_layers: tuple[int, ...] = ()  # residual-stream taps exposed as outputs `hidden.{i}`
+    quant: dict[str, Any] = field(default_factory=dict)  # quantizer settings, recorded for reports
+
+    def __post_init__(self) -> None:
+        _require(self.precision in PRECISIONS, f"graph precision must be one of {PRECISIONS}, got {self.precision!r}")
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+        object.__setattr__(self, "hidden_layers", tuple(int(i) for i in self.hidden_layers))
+        _require("logits" in self.outputs, f"graph {self.file} has no 'logits' output")
+        _require(0 < self.n_layers <= self.model.n_layers,
+                 f"graph {self.file}: n_layers must be in 1..{self.model.n_layers}, got {self.n_layers}")
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    kind: str = "none"
+    graph: str | None = None  # key into Manifest.graphs for kind == "model"
+    max_ngram: int = 3
+    draft_len: int = 4
+
+    def __post_init__(self) -> None:
+        _require(self.kind in DRAFTER_KINDS, f"drafter.kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
+        _require((self.graph is not None) == (self.kind == "model"),
+                 "drafter.graph is required for kind 'model' and only for it")
+        _require(self.max_ngram >= 1, "drafter.max_ngram must be >= 1")
+        _require(self.draft_len >= 1, "drafter.draft_len must be >= 1")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    tokenizer: TokenizerSpec
+    graphs: dict[str, GraphSpec]
+    drafter: DrafterSpec
+    files: dict[str, str]  # relative path -> sha256 of every file the bundle needs
+    default_max_len: int = 2048
+    source: str = ""
+    format: str = FORMAT
+    version: int = FORMAT_VERSION
+    created_by: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.format == FORMAT, f"format is {self.format!r}, expected {FORMAT!r}")
+        _require(self.version == FORMAT_VERSION,
+                 f"bundle format version {self.version}, this specdec reads version {FORMAT_VERSION}")
+        _require("target" in self.graphs, "graphs has no 'target'")
+        if self.drafter.graph is not None:
+            _require(self.drafter.graph in self.graphs, f"drafter.graph {self.drafter.graph!r} is not in graphs")
+        for name, g in self.graphs.items():
+            _require(g.file in self.files, f"graph {name}: file {g.file} is not listed in files")
+        _require(self.tokenizer.file in self.files, f"tokenizer file {self.tokenizer.file} is not listed in files")
+        _require(0 < self.default_max_len <= self.model.max_position,
+                 f"default_max_len must be in (0, {self.model.max_position}], got {self.default_max_len}")
+
+    @property
+    def model(self) -> ModelConfig:
+        """The target's config."""
+        return self.graphs["target"].model
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+        d = dict(d)
+        d["tokenizer"] = _build(TokenizerSpec, d["tokenizer"], "tokenizer")
+        d["graphs"] = {k: _build(GraphSpec, {**v, "model": _build(ModelConfig, v.get("model"), f"graphs.{k}.model")},
+                                 f"graphs.{k}") for k, v in d["graphs"].items()}
+        d["drafter"] = _build(DrafterSpec, d.get("drafter", {}), "drafter")
+        return _build(cls, d, "manifest")
+
+
+def _build(cls: type, d: Any, where: str) -> Any:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} must be an object")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{where} has unknown field(s) {', '.join(unknown)}")
+    try:
+        return cls(**d)
+    except TypeError as e:  # a missing required field
+        raise ValueError(f"{where}: {e}") from None
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(bundle: Path, verify_checksums: bool = True) -> Manifest:
+    """Read and validate `bundle/specdec.json`; raise SpecdecError naming exactly what is wrong."""
+    bundle = Path(bundle)
+    if not bundle.is_dir():
+        raise SpecdecError(f"bundle folder {bundle} does not exist", "run `specdec export` first, or check the path")
+    path = bundle / MANIFEST_NAME
+    if not path.is_file():
+        raise SpecdecError(f"{bundle} is not a specdec bundle: {MANIFEST_NAME} is missing",
+                           "point at a folder written by `specdec export`")
+    try:
+        manifest = Manifest.from_dict(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise SpecdecError(f"{path} is not valid JSON (line {e.lineno}): the manifest is corrupt",
+                           "re-export the bundle") from None
+    except (ValueError, KeyError) as e:
+        raise SpecdecError(f"{path} is invalid: {e}", "re-export the bundle with this version of specdec") from None
+    if verify_checksums:
+        for rel, digest in manifest.files.items():
+            f = bundle / rel
+            if not f.is_file():
+                raise SpecdecError(f"bundle file {f} is missing", "re-export the bundle")
+            if sha256_file(f) != digest:
+                raise SpecdecError(f"bundle file {f} does not match its checksum in {MANIFEST_NAME} (corrupt or modified)",
+                                   "re-export the bundle")
+    return manifest

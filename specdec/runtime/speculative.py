@@ -1,0 +1,104 @@
+"""The draft / verify / accept loop. Plain decoding is the same loop with nothing drafted."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from specdec.runtime.acceptance import greedy_accept, speculative_accept
+from specdec.runtime.decoder import MAX_STEP, Decoder
+from specdec.runtime.drafters.base import Draft, Drafter
+from specdec.runtime.sampling import SamplingConfig, probs_from_logits, select_token
+
+NO_DRAFT = Draft(tokens=np.zeros(0, dtype=np.int64))
+
+
+@dataclass
+class SpecStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0  # verification passes, prefill not counted
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # rounds that proposed a token at position i
+    accepted_at: list[int] = field(default_factory=list)  # rounds whose draft at position i was accepted
+    prefill_s: float = 0.0  # = time to first token
+    decode_s: float = 0.0
+
+    def record(self, k: int, n_accepted: int) -> None:
+        self.target_forwards += 1
+        self.drafted += k
+        self.accepted += n_accepted
+        grow = k - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for i in range(k):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < n_accepted
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verification pass (accepted drafts + the target's own token)."""
+        return (self.accepted + self.target_forwards) / max(self.target_forwards, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / max(self.drafted, 1)
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first over the decode time (the first token comes from prefill)."""
+        return max(self.new_tokens - 1, 0) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+                "target_forwards": self.target_forwards, "drafted": self.drafted, "accepted": self.accepted,
+                "tau": round(self.tau, 4), "acceptance_rate": round(self.acceptance_rate, 4),
+                "acceptance_by_position": [round(a / d, 4) if d else None
+                                           for a, d in zip(self.accepted_at, self.drafted_at)],
+                "ttft_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
+                "decode_tok_s": round(self.decode_tok_s, 2)}
+
+
+def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int], n_cached: int, draft_len: int,
+              sampling: SamplingConfig, rng: np.random.Generator, stats: SpecStats) -> Iterator[list[int]]:
+    """Yield the tokens of each round. The first `n_cached` prompt tokens are already in the target's KV.
+
+    Invariant: after a round the KV holds every emitted token but the last one, which is the next
+    round's first input. Rejected drafts are never rolled back explicitly: their K/V lie past the valid
+    length and the next step overwrites them.
+    """
+    kv = target.kv
+    t0 = time.perf_counter()
+    last_logits = target.prefill(np.asarray([prompt_ids[n_cached:]], dtype=np.int64))[0]  # [vocab]
+    token = select_token(last_logits, sampling, rng)
+    stats.prompt_tokens, stats.prefill_s = len(prompt_ids), time.perf_counter() - t0
+    yield [token]
+    context = [*prompt_ids, token]
+    if drafter is not None:
+        drafter.begin(prompt_ids, sampling, rng)
+    t0 = time.perf_counter()
+    try:
+        while (room := kv.max_len - int(kv.lengths[0])) > 0:
+            k = min(draft_len, room - 1, MAX_STEP - 1)
+            proposed = drafter is not None and k > 0
+            draft = drafter.propose(context, k) if proposed else NO_DRAFT
+            logits = target.forward(np.asarray([[token, *draft.tokens]], dtype=np.int64))[0]  # [k+1, vocab]
+            if sampling.greedy:
+                n_accepted, token = greedy_accept(draft.tokens, logits)
+            else:
+                p_target = probs_from_logits(logits, sampling)  # [k+1, vocab]
+                n_accepted, token = speculative_accept(draft.tokens, draft.p_draft, p_target, rng)
+            kv.advance(1 + n_accepted)
+            if proposed:
+                drafter.accept(n_accepted, token)
+            stats.record(draft.k, n_accepted)
+            new = [*map(int, draft.tokens[:n_accepted]), token]
+            context += new
+            stats.decode_s = time.perf_counter() - t0
+            yield new
+    finally:
+        stats.decode_s = time.perf_counter() - t0

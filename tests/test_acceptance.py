@@ -1,0 +1,279 @@
+"""The acceptance rule: hand-computed rounds, residual properties, and a statistical losslessness check.
+
+The statistical tests simulate a tiny Markov "language": the target emits token0 ~ p0 and then
+token ~ T[previous]; the drafter drafts from its own (q0, Q). Speculative decoding is lossless
+iff the emitted tokens follow the target's law, so the first two emitted tokens must have the
+joint p0[a] * T[a, b] whatever the drafter does. A chi-square test checks that, and must reject a
+rule with a deliberately wrong correction.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from scipy.stats import chisquare
+
+from specdec.runtime import acceptance
+from specdec.runtime.acceptance import greedy_accept, residual, speculative_accept
+
+VOCAB = 6
+ROUNDS = 100_000
+
+
+def one_hot(token: int, vocab: int = 4) -> np.ndarray:
+    row = np.zeros(vocab)
+    row[token] = 1.0
+    return row
+
+
+def draw_rows(rows: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One token per row of `rows` [n, vocab], vectorised inverse CDF."""
+    cdf = np.cumsum(rows, axis=1)  # [n, vocab]
+    u = rng.random(rows.shape[0])[:, None] * cdf[:, -1:]  # [n, 1]
+    return np.minimum((u >= cdf).sum(axis=1), rows.shape[1] - 1)  # [n]
+
+
+# --- greedy_accept ------------------------------------------------------------------------
+
+def test_greedy_accepts_all_and_emits_the_bonus():
+    target_logits = np.log(np.array([one_hot(2), one_hot(0), one_hot(3)]) + 1e-3)  # [3, 4]
+    assert greedy_accept(np.array([2, 0]), target_logits) == (2, 3)
+
+
+def test_greedy_stops_at_the_first_mismatch():
+    target_logits = np.log(np.array([one_hot(2), one_hot(0), one_hot(3)]) + 1e-3)
+    assert greedy_accept(np.array([1, 0]), target_logits) == (0, 2)  # later match does not count
+    assert greedy_accept(np.array([2, 1]), target_logits) == (1, 0)
+
+
+def test_greedy_without_drafts_decodes_one_token():
+    assert greedy_accept(np.zeros(0, dtype=np.int64), np.array([[0.0, 1.0, 1.0]])) == (0, 1)
+
+
+def test_greedy_returns_python_ints():
+    n_accepted, next_token = greedy_accept(np.array([1]), np.eye(3)[[1, 2]])
+    assert type(n_accepted) is int and type(next_token) is int
+
+
+def test_target_rows_must_be_k_plus_one():
+    with pytest.raises(ValueError):
+        greedy_accept(np.array([1, 2]), np.zeros((2, 4)))
+    with pytest.raises(ValueError):
+        speculative_accept(np.array([1, 2]), None, np.full((2, 4), 0.25), np.random.default_rng(0))
+
+
+# --- speculative_accept: hand-computed rounds -----------------------------------------------
+
+def test_accept_all_then_bonus():
+    # p_target >= p_draft at each draft token: accepted with probability 1.
+    p_draft = np.array([[0.2, 0.5, 0.3, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    p_target = np.array([[0.0, 0.6, 0.4, 0.0], [0.0, 0.0, 0.0, 1.0], one_hot(2)])
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        assert speculative_accept(np.array([1, 3]), p_draft, p_target, rng) == (2, 2)
+
+
+def test_reject_first_samples_the_residual():
+    # p_target[0, 0] == 0: the draft is always rejected; the residual max(0, p_t - p_d) is one-hot at 1.
+    p_draft = np.array([[0.7, 0.1, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    p_target = np.array([[0.0, 0.8, 0.2, 0.0], one_hot(0), one_hot(0)])
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        assert speculative_accept(np.array([0, 0]), p_draft, p_target, rng) == (0, 1)
+
+
+def test_partial_acceptance():
+    # Row 0 accepts surely (p_t = p_d); row 1 rejects surely (p_t = 0); the residual is one-hot at 3.
+    p_draft = np.array([[0.5, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    p_target = np.array([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], one_hot(0), one_hot(0)])
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        assert speculative_accept(np.array([1, 1, 2]), p_draft, p_target, rng) == (1, 3)
+
+
+def test_residual_by_hand():
+    p_target = np.array([0.4, 0.1, 0.3, 0.2])
+    p_draft = np.array([0.1, 0.5, 0.1, 0.3])
+    np.testing.assert_allclose(residual(p_target, p_draft), [0.6, 0.0, 0.4, 0.0])
+
+
+def test_residual_of_equal_rows_falls_back_to_target():
+    p = np.array([0.1, 0.2, 0.7])
+    np.testing.assert_allclose(residual(p, p), p)
+
+
+def test_one_round_outcome_distribution():
+    # Draft 1 is accepted with min(1, 0.1/0.5) = 0.2; otherwise the correction follows the residual
+    # [0.6, 0, 0.4, 0]: outcomes (1, bonus 3) 0.2, (0, 0) 0.8*0.6 = 0.48, (0, 2) 0.8*0.4 = 0.32.
+    p_draft = np.array([[0.1, 0.5, 0.1, 0.3]])
+    p_target = np.array([[0.4, 0.1, 0.3, 0.2], one_hot(3)])
+    rng = np.random.default_rng(3)
+    outcomes = [speculative_accept(np.array([1]), p_draft, p_target, rng) for _ in range(20_000)]
+    observed = [outcomes.count(o) for o in [(1, 3), (0, 0), (0, 2)]]
+    assert sum(observed) == len(outcomes)
+    assert chisquare(observed, np.array([0.2, 0.48, 0.32]) * len(outcomes)).pvalue > 1e-4
+
+
+def test_deterministic_draft_is_one_hot():
+    # p_draft None: accept draft 1 with p_target[0, 1] = 0.75; the correction is p_target with
+    # token 1 removed, i.e. always token 0 here.
+    p_target = np.array([[0.25, 0.75, 0.0, 0.0], one_hot(2)])
+    rng = np.random.default_rng(4)
+    outcomes = [speculative_accept(np.array([1]), None, p_target, rng) for _ in range(20_000)]
+    observed = [outcomes.count(o) for o in [(1, 2), (0, 0)]]
+    assert sum(observed) == len(outcomes)
+    assert chisquare(observed, np.array([0.75, 0.25]) * len(outcomes)).pvalue > 1e-4
+
+
+def test_deterministic_draft_extremes():
+    rng = np.random.default_rng(5)
+    sure = np.array([one_hot(1), one_hot(2)])  # target certain of the draft: always accepted
+    assert all(speculative_accept(np.array([1]), None, sure, rng) == (1, 2) for _ in range(100))
+    never = np.array([[0.0, 0.0, 1.0, 0.0], one_hot(2)])  # target gives it no mass: always corrected
+    assert all(speculative_accept(np.array([1]), None, never, rng) == (0, 2) for _ in range(100))
+
+
+def test_zero_draft_mass_decodes_from_the_target():
+    # The drafter claims p_draft[2] = 0 yet proposed 2: the draft is discarded and the token comes
+    # from p_target itself. The residual would be one-hot at 2 and accepting would emit (1, 3);
+    # drawing from p_target gives 0, 1 and 2 in proportion 0.2 : 0.3 : 0.5.
+    p_draft = np.array([[0.5, 0.5, 0.0, 0.0]])
+    p_target = np.array([[0.2, 0.3, 0.5, 0.0], one_hot(3)])
+    rng = np.random.default_rng(6)
+    outcomes = [speculative_accept(np.array([2]), p_draft, p_target, rng) for _ in range(20_000)]
+    observed = [outcomes.count((0, token)) for token in range(3)]
+    assert sum(observed) == len(outcomes)
+    assert chisquare(observed, np.array([0.2, 0.3, 0.5]) * len(outcomes)).pvalue > 1e-4
+
+
+def test_seeded_rounds_repeat():
+    p_draft = np.array([[0.1, 0.5, 0.1, 0.3]] * 2)
+    p_target = np.array([[0.4, 0.1, 0.3, 0.2]] * 3)
+    runs = [
+        [speculative_accept(np.array([1, 1]), p_draft, p_target, rng) for _ in range(200)]
+        for rng in (np.random.default_rng(9), np.random.default_rng(9))
+    ]
+    assert runs[0] == runs[1]
+    assert all(type(n) is int and type(t) is int for n, t in runs[0])
+
+
+# --- residual properties ------------------------------------------------------------------
+
+distributions = hnp.arrays(np.float64, 8, elements=st.floats(0, 1)).filter(lambda p: p.sum() > 1e-6).map(lambda p: p / p.sum())
+
+
+@settings(max_examples=200, deadline=None)
+@given(p_target=distributions, p_draft=distributions)
+def test_residual_is_a_distribution(p_target, p_draft):
+    r = residual(p_target, p_draft)
+    assert np.all(r >= 0)
+    np.testing.assert_allclose(r.sum(), 1.0, atol=1e-12)
+    # It lives where the target has more mass than the drafter (or is p_target if nowhere).
+    if np.any(p_target > p_draft):
+        assert np.all(r[p_target <= p_draft] == 0)
+
+
+# --- losslessness, statistically ---------------------------------------------------------
+
+class MarkovPair:
+    """A fixed target law (p0, T) and a drafter law (q0, Q) over VOCAB tokens."""
+
+    def __init__(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        # alpha = 2 keeps every cell of the joint well above chi-square's minimum expected count.
+        alpha = np.full(VOCAB, 2.0)
+        self.p0 = rng.dirichlet(alpha)  # [vocab] target's first token
+        self.T = rng.dirichlet(alpha, size=VOCAB)  # [vocab, vocab] target's next-token law
+        self.q0 = rng.dirichlet(alpha)  # [vocab] drafter's first token
+        self.Q = rng.dirichlet(alpha, size=VOCAB)  # [vocab, vocab]
+
+    def joint(self) -> np.ndarray:
+        return self.p0[:, None] * self.T  # [vocab, vocab] P(first = a, second = b)
+
+
+def first_two_emitted(
+    pair: MarkovPair, k: int, rng: np.random.Generator, q0_drawn: np.ndarray | None = None, one_hot_drafts: bool = False
+):
+    """Run ROUNDS independent decodes until two tokens are out; return both as arrays [ROUNDS].
+
+    One speculative round drafts k tokens from (q0, Q) and verifies them. When it emits a single
+    token, the second comes from the target decoding plainly after it (the first-token law of a
+    round is what is under test, so a second speculative round would add time, not coverage).
+    `q0_drawn` lets a test draft the first token from a distribution other than the q0 it reports;
+    `one_hot_drafts` passes p_draft=None, as a deterministic drafter does.
+    """
+    drafts = np.empty((ROUNDS, k), dtype=np.int64)  # [rounds, k]
+    drafts[:, 0] = draw_rows(np.broadcast_to(pair.q0 if q0_drawn is None else q0_drawn, (ROUNDS, VOCAB)), rng)
+    for i in range(1, k):
+        drafts[:, i] = draw_rows(pair.Q[drafts[:, i - 1]], rng)
+    p_draft = np.concatenate([np.broadcast_to(pair.q0, (ROUNDS, 1, VOCAB)), pair.Q[drafts[:, :-1]]], axis=1)  # [rounds, k, vocab]
+    p_target = np.concatenate([np.broadcast_to(pair.p0, (ROUNDS, 1, VOCAB)), pair.T[drafts]], axis=1)  # [rounds, k+1, vocab]
+
+    n_accepted = np.empty(ROUNDS, dtype=np.int64)  # [rounds]
+    next_token = np.empty(ROUNDS, dtype=np.int64)  # [rounds]
+    for r in range(ROUNDS):
+        n_accepted[r], next_token[r] = speculative_accept(drafts[r], None if one_hot_drafts else p_draft[r], p_target[r], rng)
+
+    first = np.where(n_accepted >= 1, drafts[:, 0], next_token)  # [rounds]
+    plain = draw_rows(pair.T[first], rng)  # [rounds] the target's own next token after `first`
+    second = np.where(n_accepted >= 2, drafts[:, min(1, k - 1)], np.where(n_accepted == 1, next_token, plain))
+    return first, second
+
+
+def joint_pvalue(pair: MarkovPair, first: np.ndarray, second: np.ndarray) -> float:
+    expected = pair.joint().ravel() * ROUNDS  # [vocab*vocab]
+    assert expected.min() > 5  # chi-square's approximation holds
+    observed = np.bincount(first * VOCAB + second, minlength=VOCAB * VOCAB)
+    return chisquare(observed, expected).pvalue
+
+
+def marginal_pvalue(p: np.ndarray, tokens: np.ndarray) -> float:
+    return chisquare(np.bincount(tokens, minlength=VOCAB), p * tokens.shape[0]).pvalue
+
+
+@pytest.fixture(scope="module")
+def pair() -> MarkovPair:
+    return MarkovPair(seed=11)
+
+
+def test_speculative_sampling_is_lossless(pair):
+    first, second = first_two_emitted(pair, k=3, rng=np.random.default_rng(12))
+    assert marginal_pvalue(pair.p0, first) > 1e-4
+    assert joint_pvalue(pair, first, second) > 1e-4
+
+
+def test_the_check_rejects_a_wrong_correction(pair, monkeypatch):
+    # Drawing the correction from p_target instead of the residual is the classic mistake: it
+    # double-counts the mass already given to accepted drafts. The same statistic must catch it.
+    monkeypatch.setattr(acceptance, "residual", lambda p_target_row, p_draft_row: p_target_row)
+    first, second = first_two_emitted(pair, k=3, rng=np.random.default_rng(12))
+    assert marginal_pvalue(pair.p0, first) < 1e-6
+    assert joint_pvalue(pair, first, second) < 1e-6
+
+
+def test_off_support_drafts_stay_lossless(pair):
+    # The drafter reports q0 with q0[z] = 0 but draws z one time in five: the p_draft=0 guard must
+    # still emit tokens distributed as p0 (accepting z, or correcting from the residual, would not).
+    z = int(np.argmin(pair.q0))
+    q0_reported = pair.q0.copy()
+    q0_reported[z] = 0.0
+    q0_reported /= q0_reported.sum()
+    drifting = copy.copy(pair)
+    drifting.q0 = q0_reported
+    q0_drawn = 0.8 * q0_reported + 0.2 * np.eye(VOCAB)[z]  # [vocab]
+    # k = 1 makes the second token the bonus token whenever the draft is accepted.
+    first, second = first_two_emitted(drifting, k=1, rng=np.random.default_rng(13), q0_drawn=q0_drawn)
+    assert marginal_pvalue(pair.p0, first) > 1e-4
+    assert joint_pvalue(pair, first, second) > 1e-4
+
+
+def test_one_hot_drafts_are_lossless_whatever_the_drafter_does(pair):
+    # With p_draft None the rule is exact given any draft token (accept x w.p. p(x), else draw from
+    # p with x removed), so drafts drawn from (q0, Q) but reported as one-hot must still be lossless.
+    first, second = first_two_emitted(pair, k=2, rng=np.random.default_rng(14), one_hot_drafts=True)
+    assert marginal_pvalue(pair.p0, first) > 1e-4
+    assert joint_pvalue(pair, first, second) > 1e-4

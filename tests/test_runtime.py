@@ -1,0 +1,164 @@
+"""The runtime on a tiny exported bundle: plain and speculative decoding, prefix reuse, bad input."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import specdec
+from specdec import GenerationConfig, SamplingConfig, SpecdecError
+
+PROMPTS = ["the quick brown fox", "a small model proposes", "hello world, this is", "speculative decoding drafts"]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_bundle):
+    return {d: specdec.load(tiny_bundle, drafter=d) for d in ("none", "ngram", "model")}
+
+
+def test_runtime_does_not_import_torch():
+    code = ("import sys, specdec, specdec.runtime.engine, specdec.cli; "
+            "bad=[m for m in ('torch','transformers','optimum') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_plain_greedy_matches_transformers(engines, tiny_checkpoint, prompt):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    engine = engines["none"]
+    ids = engine.encode(prompt)
+    g = engine.generate(prompt, GenerationConfig(max_new_tokens=24, draft_len=0))
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                             eos_token_id=engine.manifest.tokenizer.eos_token_ids[0], pad_token_id=0)
+    assert g.token_ids == ref[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_speculative_greedy_is_token_identical(engines, drafter, k):
+    for prompt in PROMPTS:
+        plain = engines["none"].generate(prompt, GenerationConfig(max_new_tokens=40, draft_len=0))
+        spec = engines[drafter].generate(prompt, GenerationConfig(max_new_tokens=40, draft_len=k))
+        assert spec.token_ids == plain.token_ids, (drafter, k, prompt)
+        assert spec.stats.target_forwards <= plain.stats.target_forwards
+
+
+def test_self_draft_accepts_most_tokens(engines):
+    g = engines["model"].generate(PROMPTS[0], GenerationConfig(max_new_tokens=40, draft_len=4))
+    assert g.stats.tau > 2.0  # an int8 copy of the target agrees with it almost always
+    assert g.stats.target_forwards < len(g.token_ids)
+
+
+def test_sampling_is_seeded_and_speculation_keeps_it_valid(engines):
+    cfg = GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(temperature=0.8, top_p=0.95), seed=7, draft_len=3)
+    a = engines["model"].generate(PROMPTS[1], cfg)
+    b = engines["model"].generate(PROMPTS[1], cfg)
+    assert a.token_ids == b.token_ids
+    assert a.stats.accepted > 0
+    c = engines["model"].generate(PROMPTS[1], GenerationConfig(**{**cfg.__dict__, "seed": 8}))
+    assert len(c.token_ids) > 0
+
+
+def test_prefix_reuse_gives_same_output(engines):
+    e = engines["ngram"]
+    first = e.generate(PROMPTS[2], GenerationConfig(max_new_tokens=16))
+    e.generate(PROMPTS[3], GenerationConfig(max_new_tokens=16))  # different context in between
+    again = e.generate(PROMPTS[2], GenerationConfig(max_new_tokens=16))
+    e.reset()
+    fresh = e.generate(PROMPTS[2], GenerationConfig(max_new_tokens=16))
+    assert first.token_ids == again.token_ids == fresh.token_ids
+
+
+def test_stop_string_and_max_tokens(engines):
+    e = engines["none"]
+    g = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=5))
+    assert len(g.token_ids) == 5 and g.finish_reason == "length"
+    full = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=30))
+    if len(full.text) > 4:
+        stop = full.text[2:4]
+        g = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=30, stop=(stop,)))
+        assert g.finish_reason == "stop" and stop not in g.text and full.text.startswith(g.text)
+
+
+def test_stream_yields_the_generated_text(engines):
+    e = engines["ngram"]
+    pieces = list(e.stream(PROMPTS[0], GenerationConfig(max_new_tokens=20)))
+    assert "".join(pieces) == e.last_generation.text
+
+
+def test_prompt_longer_than_kv_buffer(tiny_bundle):
+    e = specdec.load(tiny_bundle, drafter="none", max_len=16)
+    with pytest.raises(SpecdecError, match="--max-len"):
+        e.generate("the quick brown fox " * 10)
+
+
+def test_generation_stops_when_kv_is_full(tiny_bundle):
+    e = specdec.load(tiny_bundle, drafter="model", max_len=40)
+    g = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=200, draft_len=4))
+    assert g.finish_reason in ("kv_full", "eos")
+    assert len(e.encode(PROMPTS[0])) + len(g.token_ids) <= 41
+
+
+def test_empty_prompt(engines):
+    with pytest.raises(SpecdecError, match="empty"):
+        engines["none"].generate("   ")
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: SamplingConfig(temperature=-1), lambda: SamplingConfig(top_p=0.0), lambda: SamplingConfig(top_p=1.5),
+])
+def test_bad_sampling_settings(bad):
+    with pytest.raises(ValueError):
+        bad()
+
+
+def test_negative_draft_len():
+    with pytest.raises(SpecdecError):
+        GenerationConfig(draft_len=-1)
+
+
+def test_manifest_errors(tiny_bundle, tmp_path):
+    from specdec.runtime.manifest import read_manifest
+
+    with pytest.raises(SpecdecError, match="does not exist"):
+        read_manifest(tmp_path / "nope")
+    broken = tmp_path / "b"
+    shutil.copytree(tiny_bundle, broken)
+    with open(broken / "target.onnx.data", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02\x03")
+    with pytest.raises(SpecdecError, match="checksum"):
+        read_manifest(broken)
+    (broken / "specdec.json").write_text("{not json")
+    with pytest.raises(SpecdecError, match="not valid JSON"):
+        read_manifest(broken)
+    m = json.loads((tiny_bundle / "specdec.json").read_text())
+    m["version"] = 99
+    (broken / "specdec.json").write_text(json.dumps(m))
+    with pytest.raises(SpecdecError, match="version 99"):
+        read_manifest(broken)
+    m["version"] = 1
+    m["drafter"]["kind"] = "telepathy"
+    (broken / "specdec.json").write_text(json.dumps(m))
+    with pytest.raises(SpecdecError, match="drafter.kind"):
+        read_manifest(broken)
+    (broken / "specdec.json").unlink()
+    with pytest.raises(SpecdecError, match="specdec.json is missing"):
+        read_manifest(broken)
+
+
+def test_kv_buffer_allocated_once(engines):
+    e = engines["model"]
+    before = [id(v) for pair in e.target.kv.values for v in pair]
+    e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=10))
+    assert [id(v) for pair in e.target.kv.values for v in pair] == before
+    assert np.shares_memory(e.target.kv.slab[0, 0], e.target.kv.values[0][0].numpy())
