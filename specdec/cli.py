@@ -43,7 +43,27 @@ def _build(cls, **kwargs):
         raise SpecdecError(str(e)) from None
 
 
-@click.group()
+class _OneLineErrorGroup(click.Group):
+    """Click's own usage errors (bad flag values, unknown options, missing arguments) as one `error:` line too."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # bare `specdec`: the help is the answer
+                e.show()
+                sys.exit(e.exit_code)
+            ctx = getattr(e, "ctx", None)
+            _fail(e.format_message() + (f" (see `{ctx.command_path} --help`)" if ctx is not None else ""), e.exit_code)
+        except click.Abort:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)  # an int here is the code of click's Exit (--help, --version)
+
+
+@click.group(cls=_OneLineErrorGroup)
 @click.version_option(package_name="specdec")
 def main() -> None:
     """Speculative decoding for LLMs on laptops and edge devices."""
@@ -213,6 +233,58 @@ def chat(bundle, max_new_tokens, temperature, top_k, top_p, seed, draft_len, dra
         click.echo()
         click.echo(_stats_line(engine.last_stats), err=True)
         messages.append({"role": "assistant", "content": reply})
+
+
+DEFAULT_QUESTIONS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "spec_bench_questions.jsonl"
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--questions", type=click.Path(path_type=Path), default=None,
+              help="Spec-Bench questions JSONL (default: ../shared/data/spec_bench_questions.jsonl).")
+@click.option("--limit", type=int, default=2, show_default=True, help="Questions per category (0 = all).")
+@click.option("--configs", default="ngram:4,model:4,model:auto", show_default=True,
+              help="Comma-separated DRAFTER:K runs beside plain decoding (K an integer or auto).")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--max-len", type=int, default=None, help="KV buffer length in tokens.")
+@click.option("--threads", default=0, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Write results as JSON (and a PNG beside it).")
+@friendly
+def bench(bundle, questions, limit, configs, max_new_tokens, max_len, threads, out):
+    """Speed-up of speculative over plain decoding on Spec-Bench, measured side by side."""
+    import specdec
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from specdec.benchmark import BenchConfig, plot, render_table, run_bench
+    from specdec.spec_bench import load_spec_bench
+
+    questions = questions or DEFAULT_QUESTIONS
+    if not questions.is_file():
+        raise SpecdecError(f"questions file {questions} not found", "pass --questions PATH")
+    try:
+        prompts = load_spec_bench(questions, limit_per_category=limit or None)
+    except ValueError as e:
+        raise SpecdecError(str(e), "pass a Spec-Bench question.jsonl") from None
+    engine = specdec.load(bundle, max_len=max_len, runtime=_runtime_options("cpu", threads))
+    wanted = [BenchConfig.parse(c.strip()) for c in configs.split(",") if c.strip()]
+    if engine.manifest.drafter.graph is None:
+        skipped = [c.name for c in wanted if c.drafter == "model"]
+        wanted = [c for c in wanted if c.drafter != "model"]
+        if skipped:
+            click.echo(f"note: bundle has no draft model; skipping {', '.join(skipped)}", err=True)
+    with Progress(disable=not sys.stderr.isatty()) as progress:
+        task = progress.add_task("benchmarking", total=len(prompts) * (len(wanted) + 1))
+        result = run_bench(engine, prompts, wanted, max_new_tokens, on_step=lambda: progress.advance(task))
+    result["settings"] = {"bundle": str(bundle), "questions": str(questions), "limit_per_category": limit,
+                          "max_new_tokens": max_new_tokens, "threads": threads or None}
+    Console().print(render_table(result))
+    click.echo(f"peak RSS {result['peak_rss_mb']:.0f} MB")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        png = out.with_suffix(".png")
+        click.echo(f"wrote {out}" + (f" and {png}" if plot(result, str(png)) else " (no plot: matplotlib missing)"))
 
 
 if __name__ == "__main__":

@@ -162,3 +162,30 @@ def test_kv_buffer_allocated_once(engines):
     e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=10))
     assert [id(v) for pair in e.target.kv.values for v in pair] == before
     assert np.shares_memory(e.target.kv.slab[0, 0], e.target.kv.values[0][0].numpy())
+
+
+def test_adaptive_draft_len_is_lossless_and_adapts(engines):
+    plain = engines["none"].generate(PROMPTS[0], GenerationConfig(max_new_tokens=40, draft_len=0))
+    e = engines["model"]
+    g = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=40, draft_len="auto"))
+    assert g.token_ids == plain.token_ids
+    verify, _ = e._costs
+    assert len(verify) >= 2 and all(t > 0 for t in verify)
+
+
+def test_adaptive_policy_prefers_long_drafts_when_acceptance_is_high():
+    from specdec.runtime.draft_len import AdaptiveDraftLen
+
+    flat = [0.010] * 9  # verification costs the same for any width: long drafts are free to check
+    p = AdaptiveDraftLen(verify_s=flat, draft_s=0.001, acceptance=0.9)
+    assert p.next_k(8) == 8
+    p = AdaptiveDraftLen(verify_s=flat, draft_s=0.001, acceptance=0.05)
+    assert p.next_k(8) <= 1
+    steep = [0.010 * t for t in range(1, 10)]  # each verified token costs a full step: speculation can't pay
+    p = AdaptiveDraftLen(verify_s=steep, draft_s=0.004, acceptance=0.5)
+    assert p.next_k(8) == 0
+    p = AdaptiveDraftLen(verify_s=flat, draft_s=0.001, acceptance=0.9)
+    for _ in range(50):
+        p.update(4, 0)  # every first draft rejected
+    assert p.acceptance < 0.05 and p.next_k(8) <= 1
+    assert p.next_k(2) <= 2

@@ -67,10 +67,10 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
     out_dir = Path(out_dir)
     if out_dir.exists() and not cfg.force:
         raise SpecdecError(f"output folder {out_dir} already exists", "pass --force to replace it")
-    draft_bundle = None
+    draft_bundle = draft_manifest = None
     if cfg.drafter.startswith("model:"):
         draft_bundle = Path(cfg.drafter.split(":", 1)[1])
-        read_manifest(draft_bundle)  # fail early, before the slow target load
+        draft_manifest = read_manifest(draft_bundle)  # fail early, before the slow target load
 
     from specdec.export.source import load_source
 
@@ -79,58 +79,64 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
     model_cfg = model_config_from_hf(source.hf_config)
     if cfg.max_len > model_cfg.max_position:
         raise SpecdecError(f"--max-len {cfg.max_len} exceeds the model's {model_cfg.max_position} positions")
+    if draft_manifest is not None:  # before any graph is written
+        _check_same_vocab(draft_bundle, draft_manifest, vocab_digest(source.tokenizer.backend_tokenizer))
     weights = weights_from_torch(source.model)
     del source.model  # the numpy copy is all we need from here on
 
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    graphs: dict[str, GraphSpec] = {}
-    L = model_cfg.n_layers
+    try:
+        graphs: dict[str, GraphSpec] = {}
+        L = model_cfg.n_layers
 
-    step(f"writing target graph ({cfg.precision})")
-    if cfg.precision == "fp32":
-        save_graph(build_decoder_graph(model_cfg, weights), partial / "target.onnx")
-        graphs["target"] = _graph_spec("target.onnx", model_cfg, "fp32", L)
-    else:
-        qcfg = TARGET_QUANT[cfg.precision]
-        save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
-                   partial / "target.onnx")
-        graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, quant=qcfg.to_dict())
+        step(f"writing target graph ({cfg.precision})")
+        if cfg.precision == "fp32":
+            save_graph(build_decoder_graph(model_cfg, weights), partial / "target.onnx")
+            graphs["target"] = _graph_spec("target.onnx", model_cfg, "fp32", L)
+        else:
+            qcfg = TARGET_QUANT[cfg.precision]
+            save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
+                       partial / "target.onnx")
+            graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, quant=qcfg.to_dict())
 
-    step("writing tokenizer")
-    tok = source.tokenizer
-    tok.backend_tokenizer.save(str(partial / "tokenizer.json"))
-    from tokenizers import Tokenizer
+        step("writing tokenizer")
+        tok = source.tokenizer
+        tok.backend_tokenizer.save(str(partial / "tokenizer.json"))
+        from tokenizers import Tokenizer
 
-    eos = _eos_ids(source)
-    tok_spec = TokenizerSpec(file="tokenizer.json", bos_token_id=tok.bos_token_id, eos_token_ids=eos,
-                             chat_template=tok.chat_template if isinstance(tok.chat_template, str) else None,
-                             vocab_digest=vocab_digest(Tokenizer.from_file(str(partial / "tokenizer.json"))))
+        eos = _eos_ids(source)
+        tok_spec = TokenizerSpec(file="tokenizer.json", bos_token_id=tok.bos_token_id, eos_token_ids=eos,
+                                 chat_template=tok.chat_template if isinstance(tok.chat_template, str) else None,
+                                 vocab_digest=vocab_digest(Tokenizer.from_file(str(partial / "tokenizer.json"))))
 
-    drafter = DrafterSpec(kind="none", draft_len=cfg.draft_len)
-    if cfg.drafter == "ngram":
-        drafter = DrafterSpec(kind="ngram", max_ngram=cfg.max_ngram, draft_len=cfg.draft_len)
-    elif cfg.drafter in SELF_DRAFT_QUANT:
-        qcfg = SELF_DRAFT_QUANT[cfg.drafter]
-        step(f"writing drafter graph ({cfg.drafter})")
-        save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
-                   partial / "draft.onnx")
-        graphs["draft"] = _graph_spec("draft.onnx", model_cfg, f"int{qcfg.bits}", L, quant=qcfg.to_dict())
-        drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.draft_len)
-    elif draft_bundle is not None:
-        step(f"copying draft model from {draft_bundle}")
-        graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)
-        drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.draft_len)
+        drafter = DrafterSpec(kind="none", draft_len=cfg.draft_len)
+        if cfg.drafter == "ngram":
+            drafter = DrafterSpec(kind="ngram", max_ngram=cfg.max_ngram, draft_len=cfg.draft_len)
+        elif cfg.drafter in SELF_DRAFT_QUANT:
+            qcfg = SELF_DRAFT_QUANT[cfg.drafter]
+            step(f"writing drafter graph ({cfg.drafter})")
+            save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
+                       partial / "draft.onnx")
+            graphs["draft"] = _graph_spec("draft.onnx", model_cfg, f"int{qcfg.bits}", L, quant=qcfg.to_dict())
+            drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.draft_len)
+        elif draft_bundle is not None:
+            step(f"copying draft model from {draft_bundle}")
+            graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)
+            drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.draft_len)
 
-    step("writing manifest")
-    files = {p.relative_to(partial).as_posix(): sha256_file(p) for p in sorted(partial.rglob("*")) if p.is_file()}
-    manifest = Manifest(tokenizer=tok_spec, graphs=graphs, drafter=drafter, files=files,
-                        default_max_len=cfg.max_len, source=str(source.path), created_by=f"specdec {specdec.__version__}")
-    (partial / MANIFEST_NAME).write_text(manifest.to_json())
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    partial.rename(out_dir)
+        step("writing manifest")
+        files = {p.relative_to(partial).as_posix(): sha256_file(p) for p in sorted(partial.rglob("*")) if p.is_file()}
+        manifest = Manifest(tokenizer=tok_spec, graphs=graphs, drafter=drafter, files=files,
+                            default_max_len=cfg.max_len, source=str(source.path), created_by=f"specdec {specdec.__version__}")
+        (partial / MANIFEST_NAME).write_text(manifest.to_json())
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        partial.rename(out_dir)
+    except BaseException:  # failed or interrupted: leave no half-written bundle behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     return manifest
 
 
@@ -145,12 +151,16 @@ def _eos_ids(source) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _check_same_vocab(src: Path, m: Manifest, target_digest: str) -> None:
+    if m.tokenizer.vocab_digest != target_digest:
+        raise SpecdecError(f"drafter bundle {src} has a different vocabulary from the target "
+                           f"(vocab digest {m.tokenizer.vocab_digest[:12]} vs {target_digest[:12]})",
+                           "a draft model must share the target's tokenizer")
+
+
 def _copy_draft_bundle(src: Path, dst: Path, target_tok: TokenizerSpec) -> GraphSpec:
     m = read_manifest(src)
-    if m.tokenizer.vocab_digest != target_tok.vocab_digest:
-        raise SpecdecError(f"drafter bundle {src} has a different vocabulary from the target "
-                           f"(vocab digest {m.tokenizer.vocab_digest[:12]} vs {target_tok.vocab_digest[:12]})",
-                           "a draft model must share the target's tokenizer")
+    _check_same_vocab(src, m, target_tok.vocab_digest)
     g = m.graphs["target"]
     files = [f for f in m.files if f == g.file or f.startswith(g.file + ".")]
     for f in files:

@@ -64,13 +64,14 @@ def speculative_accept(
             raise ValueError(f"p_draft has shape {p_draft.shape}, expected {(k, p_target.shape[1])}")
 
     rows = np.arange(k)
-    p_target_x = p_target[rows, draft_tokens].astype(np.float64)  # [k] target's mass on each draft
-    p_draft_x = np.ones(k) if p_draft is None else p_draft[rows, draft_tokens].astype(np.float64)  # [k]
+    p_target_x = p_target[rows, draft_tokens]  # [k] target's mass on each draft
+    p_draft_x = np.ones(k) if p_draft is None else p_draft[rows, draft_tokens]  # [k]
     off_support = p_draft_x <= 0.0  # [k] see docstring: such a draft is discarded, not judged
-    # u < p_t/p_d, multiplied out so p_t == 0 never accepts and p_t >= p_d always does. All k
-    # uniforms are drawn up front (one per draft, used or not) so the loop below needs none.
+    # u < p_t/p_d, multiplied out so p_t == 0 never accepts and p_t >= p_d always does (u is
+    # float64, so float32 rows are compared in float64). All k uniforms are drawn up front, one
+    # per draft whether or not it is reached, so the whole round is a few array operations.
     accepted = (rng.random(k) * p_draft_x < p_target_x) & ~off_support  # [k]
-    n_accepted = k if accepted.all() else int(np.argmin(accepted))
+    n_accepted = k if accepted.all() else int(accepted.argmin())  # first rejection
     if n_accepted == k:
         return k, sample(p_target[k], rng)  # bonus token
     if off_support[n_accepted]:

@@ -16,15 +16,20 @@ import numpy as np
 
 from specdec.errors import SpecdecError
 from specdec.runtime.decoder import Decoder
+from specdec.runtime.draft_len import AdaptiveDraftLen, DraftLenPolicy, FixedDraftLen, median_seconds
 from specdec.runtime.drafters.base import Drafter
 from specdec.runtime.drafters.draft_model import ModelDrafter
 from specdec.runtime.drafters.ngram import NgramDrafter
 from specdec.runtime.kv import KVCache
 from specdec.runtime.manifest import Manifest, read_manifest
 from specdec.runtime.sampling import SamplingConfig
-from specdec.runtime.session import RuntimeOptions
+from specdec.runtime.session import RuntimeOptions, provider_list
 from specdec.runtime.speculative import SpecStats, speculate
 from specdec.runtime.tokenizer import StreamDecoder, TextCodec
+
+# Longest draft the adaptive policy considers: with acceptance 0.8, an 9th draft token adds
+# 0.8^9 = 0.13 expected tokens while every drafted token costs a draft step.
+AUTO_K_MAX = 8
 
 Prompt = Union[str, Sequence[dict]]  # text, or chat messages [{"role": ..., "content": ...}]
 
@@ -35,13 +40,15 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    draft_len: int | None = None  # None = the bundle's default; 0 = plain decoding
+    draft_len: int | str | None = None  # None = the bundle's default; 0 = plain decoding; "auto" = adaptive
     chat: bool = True  # apply the chat template to a text prompt
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise SpecdecError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
-        if self.draft_len is not None and self.draft_len < 0:
+        if isinstance(self.draft_len, str) and self.draft_len != "auto":
+            raise SpecdecError(f"draft length must be an integer >= 0 or 'auto', got {self.draft_len!r}")
+        if isinstance(self.draft_len, int) and self.draft_len < 0:
             raise SpecdecError(f"draft length must be >= 0 (0 = no speculation), got {self.draft_len}")
         object.__setattr__(self, "stop", tuple(self.stop))
 
@@ -61,15 +68,17 @@ class Engine:
         self.path = Path(bundle)
         self.manifest: Manifest = read_manifest(self.path, verify_checksums=verify_checksums)
         self.runtime = runtime or RuntimeOptions()
+        provider_list(self.runtime)  # an unavailable provider fails here, before KV is allocated on its device
         self.max_len = max_len or self.manifest.default_max_len
+        self._costs: tuple[list[float], float] | None = None  # measured once per drafter, for draft_len="auto"
         m = self.manifest
         if not 0 < self.max_len <= m.model.max_position:
             raise SpecdecError(f"--max-len {self.max_len} is outside 1..{m.model.max_position} (the model's positions)")
         self.codec = TextCodec(self.path / m.tokenizer.file, m.tokenizer.chat_template, m.tokenizer.bos_token_id,
                                m.tokenizer.eos_token_ids)
         self.target = self._decoder("target")
-        self.drafter_kind = drafter or m.drafter.kind
-        self.drafter = self._make_drafter(self.drafter_kind)
+        self._drafters: dict[str, Drafter | None] = {}
+        self.use_drafter(drafter or m.drafter.kind)
         self.cached_ids: list[int] = []  # what the target's KV holds, for prefix reuse across calls
         self.last_stats = SpecStats()
 
@@ -78,6 +87,13 @@ class Engine:
         kv = KVCache(g.n_layers, 1, g.model.n_kv_heads, self.max_len, g.model.head_dim,
                      device=self.runtime.device, device_id=self.runtime.device_id)
         return Decoder(self.path / g.file, g, g.model, kv, self.runtime)
+
+    def use_drafter(self, kind: str) -> None:
+        """Switch drafter ("none", "ngram", "model"); each is built once and kept, with its own KV."""
+        if kind not in self._drafters:
+            self._drafters[kind] = self._make_drafter(kind)
+        self.drafter_kind, self.drafter = kind, self._drafters[kind]
+        self._costs = None
 
     def _make_drafter(self, kind: str) -> Drafter | None:
         m = self.manifest
@@ -94,6 +110,32 @@ class Engine:
                                    f"({m.model.vocab_size})", "a draft model must share the target's tokenizer")
             return ModelDrafter(self._decoder(m.drafter.graph))
         raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram or model")
+
+    def _draft_len_policy(self, draft_len: int | str | None) -> DraftLenPolicy | None:
+        """None means plain decoding: no drafter, or a draft length of 0."""
+        if draft_len is None:
+            draft_len = self.manifest.drafter.draft_len
+        if self.drafter is None or draft_len == 0:
+            return None
+        if draft_len != "auto":
+            return FixedDraftLen(draft_len)
+        if self._costs is None:
+            self._costs = self._measure_costs()
+        return AdaptiveDraftLen(verify_s=list(self._costs[0]), draft_s=self._costs[1])
+
+    def _measure_costs(self) -> tuple[list[float], float]:
+        """Time target steps of width 1..AUTO_K_MAX+1 and one draft step on this device.
+
+        The steps write K/V past the valid length only, so the cache is unchanged (rollback is free).
+        """
+        kv = self.target.kv
+        widths = range(1, min(AUTO_K_MAX + 1, kv.max_len - int(kv.lengths[0])) + 1)
+        verify = [median_seconds(lambda t=t: self.target.forward(np.zeros((1, t), dtype=np.int64))) for t in widths]
+        draft = 0.0  # an n-gram lookup is microseconds against milliseconds of a forward
+        if isinstance(self.drafter, ModelDrafter):
+            dec = self.drafter.decoder
+            draft = median_seconds(lambda: dec.forward(np.zeros((1, 1), dtype=np.int64)))
+        return verify, draft
 
     def reset(self) -> None:
         """Forget cached context (the KV stays allocated)."""
@@ -127,13 +169,13 @@ class Engine:
             n_cached += 1
         kv.truncate(n_cached)
         self.cached_ids = list(prompt_ids)  # (+ emitted below) mirrors the KV
-        draft_len = self.manifest.drafter.draft_len if cfg.draft_len is None else cfg.draft_len
-        drafter = self.drafter if draft_len > 0 else None
+        policy = self._draft_len_policy(cfg.draft_len)
+        drafter = self.drafter if policy is not None else None
         rng = np.random.default_rng(cfg.seed)
         self.last_stats = stats = SpecStats()
         eos = set(self.manifest.tokenizer.eos_token_ids)
         n_new = 0
-        for tokens in speculate(self.target, drafter, prompt_ids, n_cached, draft_len, cfg.sampling, rng, stats):
+        for tokens in speculate(self.target, drafter, prompt_ids, n_cached, policy or FixedDraftLen(0), cfg.sampling, rng, stats):
             self.cached_ids = self.cached_ids[:int(kv.lengths[0])]
             cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
             tokens = tokens[:cut][: cfg.max_new_tokens - n_new]

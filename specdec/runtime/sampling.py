@@ -27,12 +27,17 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+# Top-p sorts only this many leading tokens when they already hold top_p of the mass (see below).
+_NUCLEUS_PREFIX = 1024
+
+
 def probs_from_logits(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
     """Logits [..., vocab] -> the distribution a token is drawn from, float64 [..., vocab], rows sum to 1.
 
     Order: temperature, top-k, top-p (on the top-k-renormalised distribution), renormalise.
     Greedy gives a one-hot at np.argmax (ties -> lowest index), so the acceptance rule can treat
-    greedy and sampled targets the same way. -inf logits (masked tokens) get probability 0.
+    greedy and sampled targets the same way. Top-k ties at the k-th value keep the lowest token
+    ids. -inf logits (masked tokens) get probability 0.
     """
     logits = np.asarray(logits, dtype=np.float64)  # [..., vocab]
     vocab = logits.shape[-1]
@@ -42,29 +47,57 @@ def probs_from_logits(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
         np.put_along_axis(probs, best, 1.0, axis=-1)
         return probs
 
-    scaled = logits / cfg.temperature  # [..., vocab]
-    # One stable sort serves both filters; stable on -x keeps equal logits in index order, so
-    # top-k ties are broken towards the lower token id, deterministically.
-    order = np.argsort(-scaled, axis=-1, kind="stable")  # [..., vocab] largest first
-    sorted_logits = np.take_along_axis(scaled, order, axis=-1)  # [..., vocab]
-    top = sorted_logits[..., :1]  # [..., 1]
-    if np.isnan(scaled).any() or not np.all(np.isfinite(top)):
+    rows = logits.reshape(-1, vocab) / cfg.temperature  # [rows, vocab]
+    if np.isnan(rows).any() or not np.isfinite(rows.max(axis=1)).all():
         # A NaN or a row with no finite maximum would silently become a NaN distribution.
         raise ValueError("logits must be finite or -inf, with a finite maximum in every row")
-    p_sorted = np.exp(sorted_logits - top)  # [..., vocab] subtracting the max keeps exp from overflowing
+    # Work on candidate tokens only (None: every token, in id order). Sorting costs O(vocab log vocab),
+    # ~10 ms a row at 150k tokens, so only top-p sorts, and over as few candidates as is exact.
+    row_max = rows.max(axis=1, keepdims=True)  # [rows, 1]
+    candidates, cand_logits, total = None, rows, None
     if 0 < cfg.top_k < vocab:
-        p_sorted[..., cfg.top_k:] = 0.0
-    p_sorted /= p_sorted.sum(axis=-1, keepdims=True)
+        candidates = _top_k_indices(rows, cfg.top_k)  # [rows, m = top_k]
+        cand_logits = np.take_along_axis(rows, candidates, axis=1)  # [rows, m]
+    elif cfg.top_p < 1.0 and vocab > _NUCLEUS_PREFIX:
+        # The nucleus is a prefix of the sorted tokens. If the top _NUCLEUS_PREFIX tokens (the exact
+        # stable-sort prefix) hold top_p of the mass, it lies within them and only they need sorting;
+        # their probabilities must still be normalised over the whole vocab, hence `total`.
+        weights = np.exp(rows - row_max)  # [rows, vocab]
+        total = weights.sum(axis=1, keepdims=True)  # [rows, 1]
+        prefix = _top_k_indices(rows, _NUCLEUS_PREFIX)  # [rows, m = _NUCLEUS_PREFIX]
+        prefix_mass = np.take_along_axis(weights, prefix, axis=1).sum(axis=1, keepdims=True)  # [rows, 1]
+        if np.all(prefix_mass >= (cfg.top_p + 1e-9) * total):  # margin: rounding can't move the cut outside
+            candidates, cand_logits = prefix, np.take_along_axis(rows, prefix, axis=1)
+    if cfg.top_p < 1.0:
+        # Stable on -x: equal logits stay in token-id order, so the nucleus is deterministic.
+        order = np.argsort(-cand_logits, axis=1, kind="stable")  # [rows, m] largest first
+        candidates = order if candidates is None else np.take_along_axis(candidates, order, axis=1)
+        cand_logits = np.take_along_axis(cand_logits, order, axis=1)
+
+    p = np.exp(cand_logits - row_max)  # [rows, m] max subtracted: no overflow
+    p /= p.sum(axis=1, keepdims=True) if total is None else total
     if cfg.top_p < 1.0:
         # Keep a token while the mass strictly before it is < top_p: the smallest prefix whose
         # mass reaches top_p. The top token has 0 mass before it, so it always survives.
-        mass_before = np.cumsum(p_sorted, axis=-1) - p_sorted  # [..., vocab]
-        p_sorted = np.where(mass_before < cfg.top_p, p_sorted, 0.0)  # [..., vocab]
-        p_sorted /= p_sorted.sum(axis=-1, keepdims=True)
+        mass_before = np.cumsum(p, axis=1) - p  # [rows, m]
+        p = np.where(mass_before < cfg.top_p, p, 0.0)  # [rows, m]
+        p /= p.sum(axis=1, keepdims=True)
 
-    probs = np.empty_like(p_sorted)  # [..., vocab]
-    np.put_along_axis(probs, order, p_sorted, axis=-1)  # undo the sort
-    return probs
+    if candidates is None:
+        return p.reshape(logits.shape)
+    probs = np.zeros_like(rows)  # [rows, vocab]
+    np.put_along_axis(probs, candidates, p, axis=1)
+    return probs.reshape(logits.shape)
+
+
+def _top_k_indices(rows: np.ndarray, k: int) -> np.ndarray:
+    """Indices [rows, k] (ascending) of each row's k largest values, in O(vocab) without a sort."""
+    kth = -np.partition(-rows, k - 1, axis=1)[:, k - 1:k]  # [rows, 1] the k-th largest value
+    above = rows > kth  # [rows, vocab]
+    at = rows == kth  # [rows, vocab]
+    # The slots left after the values above the k-th go to the lowest-index ties, deterministically.
+    keep = above | (at & (np.cumsum(at, axis=1) <= k - above.sum(axis=1, keepdims=True)))  # [rows, vocab]
+    return np.nonzero(keep)[1].reshape(-1, k)  # exactly k per row, row-major
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:

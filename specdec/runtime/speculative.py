@@ -9,6 +9,7 @@ import numpy as np
 
 from specdec.runtime.acceptance import greedy_accept, speculative_accept
 from specdec.runtime.decoder import MAX_STEP, Decoder
+from specdec.runtime.draft_len import DraftLenPolicy
 from specdec.runtime.drafters.base import Draft, Drafter
 from specdec.runtime.sampling import SamplingConfig, probs_from_logits, select_token
 
@@ -63,8 +64,9 @@ class SpecStats:
                 "decode_tok_s": round(self.decode_tok_s, 2)}
 
 
-def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int], n_cached: int, draft_len: int,
-              sampling: SamplingConfig, rng: np.random.Generator, stats: SpecStats) -> Iterator[list[int]]:
+def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int], n_cached: int,
+              draft_len: DraftLenPolicy, sampling: SamplingConfig, rng: np.random.Generator,
+              stats: SpecStats) -> Iterator[list[int]]:
     """Yield the tokens of each round. The first `n_cached` prompt tokens are already in the target's KV.
 
     Invariant: after a round the KV holds every emitted token but the last one, which is the next
@@ -83,8 +85,8 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
     t0 = time.perf_counter()
     try:
         while (room := kv.max_len - int(kv.lengths[0])) > 0:
-            k = min(draft_len, room - 1, MAX_STEP - 1)
-            proposed = drafter is not None and k > 0
+            k = draft_len.next_k(min(room - 1, MAX_STEP - 1)) if drafter is not None else 0
+            proposed = k > 0
             draft = drafter.propose(context, k) if proposed else NO_DRAFT
             logits = target.forward(np.asarray([[token, *draft.tokens]], dtype=np.int64))[0]  # [k+1, vocab]
             if sampling.greedy:
@@ -95,6 +97,7 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
             kv.advance(1 + n_accepted)
             if proposed:
                 drafter.accept(n_accepted, token)
+                draft_len.update(draft.k, n_accepted)
             stats.record(draft.k, n_accepted)
             new = [*map(int, draft.tokens[:n_accepted]), token]
             context += new

@@ -54,9 +54,9 @@ class NgramDrafter:
         self._sync(context)
         tokens = self._tokens
         for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
-            if k <= 0 or n > len(tokens):
-                continue
-            start = self._next_pos.get(tuple(tokens[-n:]))
+            if k <= 0:
+                break
+            start = self._next_pos.get(tuple(tokens[-n:])) if n <= len(tokens) else None
             if start is None:
                 continue
             # The match says the text repeats with period d = len(tokens) - start. When the

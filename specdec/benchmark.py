@@ -1,0 +1,134 @@
+"""`specdec bench`: plain vs speculative decoding of one bundle, side by side on Spec-Bench prompts.
+
+Every prompt runs under every configuration back to back, so machine noise hits all of them alike;
+speed-ups are ratios of totals measured in this one run. Greedy speculative output must equal plain
+greedy output token for token: any prompt where it does not is counted and reported.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from specdec.errors import SpecdecError
+from specdec.runtime.engine import Engine, GenerationConfig
+from specdec.spec_bench import Prompt
+
+PLAIN = "plain"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One way of decoding: a drafter kind and a draft length (int or "auto")."""
+
+    drafter: str
+    draft_len: int | str
+
+    @property
+    def name(self) -> str:
+        return PLAIN if self.drafter == "none" else f"{self.drafter}:{self.draft_len}"
+
+    @classmethod
+    def parse(cls, text: str) -> "BenchConfig":
+        kind, _, k = text.partition(":")
+        if kind not in ("ngram", "model", "none", PLAIN):
+            raise SpecdecError(f"unknown bench config {text!r}", "use DRAFTER:K with DRAFTER ngram|model, K int or auto")
+        if kind in ("none", PLAIN):
+            return cls("none", 0)
+        if k != "auto" and not (k.isdigit() and int(k) > 0):
+            raise SpecdecError(f"bad draft length in {text!r}", "use DRAFTER:K with K an integer > 0 or auto")
+        return cls(kind, "auto" if k == "auto" else int(k))
+
+
+def peak_rss_mb() -> float:
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024
+
+
+def run_bench(engine: Engine, prompts: list[Prompt], configs: list[BenchConfig], max_new_tokens: int,
+              on_step: Callable[[], None] = lambda: None) -> dict:
+    configs = [BenchConfig("none", 0)] + [c for c in configs if c.drafter != "none"]
+    runs = []
+    for prompt in prompts:
+        ids = engine.encode(prompt.messages)
+        reference = None
+        for cfg in configs:
+            engine.use_drafter(cfg.drafter)
+            engine.reset()  # no prefix reuse across configs: each pays its own prefill
+            t0 = time.perf_counter()
+            tokens = [t for chunk in engine.stream_ids(ids, GenerationConfig(max_new_tokens=max_new_tokens,
+                                                                              draft_len=cfg.draft_len))
+                      for t in chunk]
+            wall = time.perf_counter() - t0
+            s = engine.last_stats
+            reference = tokens if reference is None else reference
+            runs.append({"prompt_id": prompt.id, "category": prompt.category, "config": cfg.name,
+                         "new_tokens": len(tokens), "wall_s": wall, "ttft_s": s.prefill_s,
+                         "forwards": s.target_forwards, "drafted": s.drafted, "accepted": s.accepted,
+                         "identical": tokens == reference})
+            on_step()
+    return summarize(runs, [c.name for c in configs]) | {"runs": runs, "peak_rss_mb": round(peak_rss_mb(), 1)}
+
+
+def summarize(runs: list[dict], config_names: list[str]) -> dict:
+    """Totals per (config, category) and overall; speed-up = tok/s over plain's tok/s on the same prompts."""
+    categories = list(dict.fromkeys(r["category"] for r in runs)) + ["overall"]
+    table: dict[str, dict[str, dict]] = {}
+    for name in config_names:
+        table[name] = {}
+        for cat in categories:
+            rs = [r for r in runs if r["config"] == name and (cat == "overall" or r["category"] == cat)]
+            tokens, wall = sum(r["new_tokens"] for r in rs), sum(r["wall_s"] for r in rs)
+            fwd, acc = sum(r["forwards"] for r in rs), sum(r["accepted"] for r in rs)
+            table[name][cat] = {"prompts": len(rs), "tokens": tokens, "tok_s": tokens / wall if wall else 0.0,
+                                "tau": (acc + fwd) / fwd if fwd else 1.0,
+                                "not_identical": sum(not r["identical"] for r in rs)}
+    for name in config_names:
+        for cat in categories:
+            base = table[PLAIN][cat]["tok_s"]
+            table[name][cat]["speedup"] = table[name][cat]["tok_s"] / base if base else 0.0
+    return {"configs": config_names, "categories": categories, "table": table}
+
+
+def render_table(result: dict):
+    from rich.table import Table
+
+    t = Table(title="specdec bench (greedy; speed-up vs plain decoding of the same bundle, same run)")
+    t.add_column("category")
+    for name in result["configs"]:
+        t.add_column(f"{name}\ntok/s  tau  x", justify="right")
+    for cat in result["categories"]:
+        cells = []
+        for name in result["configs"]:
+            c = result["table"][name][cat]
+            cells.append(f"{c['tok_s']:.1f}  {c['tau']:.2f}  {c['speedup']:.2f}x"
+                         + (f" ({c['not_identical']} diff)" if c["not_identical"] else ""))
+        t.add_row(cat, *cells)
+    return t
+
+
+def plot(result: dict, path: str) -> bool:
+    """Speed-up per category as grouped bars; False if matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cats, names = result["categories"], [n for n in result["configs"] if n != PLAIN]
+    fig, ax = plt.subplots(figsize=(max(6, len(cats) * 0.9), 4))
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        ax.bar([x + i * width for x in range(len(cats))], [result["table"][name][c]["speedup"] for c in cats],
+               width, label=name)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(cats))], cats, rotation=45, ha="right")
+    ax.set_ylabel("speed-up over plain decoding")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
