@@ -140,8 +140,8 @@ def generation_options(fn):
         click.option("--seed", type=int, default=None, help="Seed for sampling."),
         click.option("--draft-len", callback=_parse_draft_len, default=None,
                      help="Drafted tokens per round: K, 'auto', or 0 for plain decoding (default: the bundle's)."),
-        click.option("--drafter", type=click.Choice(["none", "ngram", "model"]), default=None,
-                     help="Override the bundle's drafter."),
+        click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid"]), default=None,
+                     help="Override the bundle's drafter (hybrid = n-gram lookup where it matches, the draft model elsewhere)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--max-len", type=int, default=None, help="KV buffer length in tokens (default: the bundle's)."),
         click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True),
@@ -269,8 +269,8 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, threads, o
     engine = specdec.load(bundle, max_len=max_len, runtime=_runtime_options("cpu", threads))
     wanted = [BenchConfig.parse(c.strip()) for c in configs.split(",") if c.strip()]
     if engine.manifest.drafter.graph is None:
-        skipped = [c.name for c in wanted if c.drafter == "model"]
-        wanted = [c for c in wanted if c.drafter != "model"]
+        skipped = [c.name for c in wanted if c.drafter in ("model", "hybrid")]
+        wanted = [c for c in wanted if c.drafter not in ("model", "hybrid")]
         if skipped:
             click.echo(f"note: bundle has no draft model; skipping {', '.join(skipped)}", err=True)
     with Progress(disable=not sys.stderr.isatty()) as progress:

@@ -17,7 +17,7 @@ PROMPTS = ["the quick brown fox", "a small model proposes", "hello world, this i
 
 @pytest.fixture(scope="module")
 def engines(tiny_bundle):
-    return {d: specdec.load(tiny_bundle, drafter=d) for d in ("none", "ngram", "model")}
+    return {d: specdec.load(tiny_bundle, drafter=d) for d in ("none", "ngram", "model", "hybrid")}
 
 
 def test_runtime_does_not_import_torch():
@@ -42,7 +42,7 @@ def test_plain_greedy_matches_transformers(engines, tiny_checkpoint, prompt):
     assert g.token_ids == ref[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model"])
+@pytest.mark.parametrize("drafter", ["ngram", "model", "hybrid"])
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
 def test_speculative_greedy_is_token_identical(engines, drafter, k):
     for prompt in PROMPTS:
@@ -189,3 +189,14 @@ def test_adaptive_policy_prefers_long_drafts_when_acceptance_is_high():
         p.update(4, 0)  # every first draft rejected
     assert p.acceptance < 0.05 and p.next_k(8) <= 1
     assert p.next_k(2) <= 2
+
+
+def test_hybrid_uses_lookup_where_the_text_repeats(engines):
+    e = engines["hybrid"]
+    prompt = "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the quick"
+    plain = engines["none"].generate(prompt, GenerationConfig(max_new_tokens=30, draft_len=0, chat=False))
+    g = e.generate(prompt, GenerationConfig(max_new_tokens=30, draft_len=4, chat=False))
+    assert g.token_ids == plain.token_ids
+    # Sampling through both drafters stays seeded and valid.
+    cfg = GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(temperature=1.0), seed=3, draft_len=3)
+    assert e.generate(prompt, cfg).token_ids == e.generate(prompt, cfg).token_ids

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +15,7 @@ import specdec
 from specdec.errors import SpecdecError
 from specdec.export.graph import (CONTROL_INPUTS, build_decoder_graph, kv_input_names, kv_output_names,
                                   model_config_from_hf, save_graph, weights_from_torch)
+from specdec.export.verify import FP32_TOLERANCE, max_logit_diff
 from specdec.quant.weight_only import WeightQuantConfig, quantize_weights
 from specdec.runtime.manifest import (MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
                                       read_manifest, sha256_file)
@@ -82,7 +83,6 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
     if draft_manifest is not None:  # before any graph is written
         _check_same_vocab(draft_bundle, draft_manifest, vocab_digest(source.tokenizer.backend_tokenizer))
     weights = weights_from_torch(source.model)
-    del source.model  # the numpy copy is all we need from here on
 
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -100,6 +100,12 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
                        partial / "target.onnx")
             graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, quant=qcfg.to_dict())
+        step("checking target graph against transformers")
+        diff = max_logit_diff(source.model, partial / "target.onnx", graphs["target"])
+        if cfg.precision == "fp32" and diff > FP32_TOLERANCE:
+            raise SpecdecError(f"exported graph disagrees with transformers: max |logit diff| {diff:.2e} > "
+                               f"{FP32_TOLERANCE:.0e}", "please report this model; the graph writer mis-handles it")
+        graphs["target"] = replace(graphs["target"], checks={"max_abs_logit_diff_vs_transformers": diff})
 
         step("writing tokenizer")
         tok = source.tokenizer
@@ -120,6 +126,8 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
                        partial / "draft.onnx")
             graphs["draft"] = _graph_spec("draft.onnx", model_cfg, f"int{qcfg.bits}", L, quant=qcfg.to_dict())
+            diff = max_logit_diff(source.model, partial / "draft.onnx", graphs["draft"])
+            graphs["draft"] = replace(graphs["draft"], checks={"max_abs_logit_diff_vs_transformers": diff})
             drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.draft_len)
         elif draft_bundle is not None:
             step(f"copying draft model from {draft_bundle}")
@@ -167,4 +175,4 @@ def _copy_draft_bundle(src: Path, dst: Path, target_tok: TokenizerSpec) -> Graph
         (dst / "draft" / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src / f, dst / "draft" / f)
     return GraphSpec(file=f"draft/{g.file}", model=g.model, precision=g.precision, n_layers=g.n_layers,
-                     inputs=g.inputs, outputs=g.outputs, hidden_layers=g.hidden_layers, quant=g.quant)
+                     inputs=g.inputs, outputs=g.outputs, hidden_layers=g.hidden_layers, quant=g.quant, checks=g.checks)

@@ -19,6 +19,7 @@ from specdec.runtime.decoder import Decoder
 from specdec.runtime.draft_len import AdaptiveDraftLen, DraftLenPolicy, FixedDraftLen, median_seconds
 from specdec.runtime.drafters.base import Drafter
 from specdec.runtime.drafters.draft_model import ModelDrafter
+from specdec.runtime.drafters.hybrid import LOOKUP_MIN_NGRAM, HybridDrafter
 from specdec.runtime.drafters.ngram import NgramDrafter
 from specdec.runtime.kv import KVCache
 from specdec.runtime.manifest import Manifest, read_manifest
@@ -64,7 +65,8 @@ class Generation:
 class Engine:
     def __init__(self, bundle: str | Path, max_len: int | None = None, runtime: RuntimeOptions | None = None,
                  drafter: str | None = None, verify_checksums: bool = True) -> None:
-        """`drafter` overrides the bundle's: "none", "ngram" or "model" (the bundle's draft graph)."""
+        """`drafter` overrides the bundle's: "none", "ngram", "model" (the bundle's draft graph) or "hybrid"
+        (n-gram lookup where it matches, the draft model elsewhere)."""
         self.path = Path(bundle)
         self.manifest: Manifest = read_manifest(self.path, verify_checksums=verify_checksums)
         self.runtime = runtime or RuntimeOptions()
@@ -89,7 +91,7 @@ class Engine:
         return Decoder(self.path / g.file, g, g.model, kv, self.runtime)
 
     def use_drafter(self, kind: str) -> None:
-        """Switch drafter ("none", "ngram", "model"); each is built once and kept, with its own KV."""
+        """Switch drafter ("none", "ngram", "model", "hybrid"); each is built once and kept."""
         if kind not in self._drafters:
             self._drafters[kind] = self._make_drafter(kind)
         self.drafter_kind, self.drafter = kind, self._drafters[kind]
@@ -101,15 +103,20 @@ class Engine:
             return None
         if kind == "ngram":
             return NgramDrafter(max_ngram=m.drafter.max_ngram)
-        if kind == "model":
+        if kind in ("model", "hybrid"):
             if m.drafter.graph is None:
                 raise SpecdecError(f"bundle {self.path} has no draft model", "re-export with --drafter self-int8 or model:PATH")
             draft = m.graphs[m.drafter.graph]
             if draft.model.vocab_size != m.model.vocab_size:
                 raise SpecdecError(f"draft model vocabulary ({draft.model.vocab_size}) differs from the target's "
                                    f"({m.model.vocab_size})", "a draft model must share the target's tokenizer")
-            return ModelDrafter(self._decoder(m.drafter.graph))
-        raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram or model")
+            model = self._drafters.get("model") or ModelDrafter(self._decoder(m.drafter.graph))
+            self._drafters["model"] = model
+            if kind == "model":
+                return model
+            # Shares the model drafter (and its KV) with kind "model": one copy of the draft weights.
+            return HybridDrafter(NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM), model)
+        raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram, model or hybrid")
 
     def _draft_len_policy(self, draft_len: int | str | None) -> DraftLenPolicy | None:
         """None means plain decoding: no drafter, or a draft length of 0."""
@@ -132,8 +139,9 @@ class Engine:
         widths = range(1, min(AUTO_K_MAX + 1, kv.max_len - int(kv.lengths[0])) + 1)
         verify = [median_seconds(lambda t=t: self.target.forward(np.zeros((1, t), dtype=np.int64))) for t in widths]
         draft = 0.0  # an n-gram lookup is microseconds against milliseconds of a forward
-        if isinstance(self.drafter, ModelDrafter):
-            dec = self.drafter.decoder
+        model = self._drafters.get("model")
+        if self.drafter_kind in ("model", "hybrid") and model is not None:
+            dec = model.decoder
             draft = median_seconds(lambda: dec.forward(np.zeros((1, 1), dtype=np.int64)))
         return verify, draft
 

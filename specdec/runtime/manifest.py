@@ -77,6 +77,7 @@ class GraphSpec:
     outputs: tuple[str, ...]
     hidden_layers: tuple[int, ...] = ()  # residual-stream taps exposed as outputs `hidden.{i}`
     quant: dict[str, Any] = field(default_factory=dict)  # quantizer settings, recorded for reports
+    checks: dict[str, Any] = field(default_factory=dict)  # export-time measurements (e.g. max logit diff)
 
     def __post_init__(self) -> None:
         _require(self.precision in PRECISIONS, f"graph precision must be one of {PRECISIONS}, got {self.precision!r}")

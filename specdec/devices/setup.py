@@ -1,0 +1,112 @@
+"""A profile applied to a bundle: RuntimeOptions, KV length and draft length, with explicit flags winning.
+
+    s = device_setup("orin-nx-16gb", "bundles/smollm2")
+    engine = specdec.load("bundles/smollm2", max_len=s.max_len, runtime=s.runtime)
+
+The provider check comes first, before any file is read: a GPU profile on a machine whose onnxruntime has
+no CUDA fails at once, saying which provider the profile needs and suggesting `--device cpu`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from specdec.devices.detect import DetectedDevice, detect
+from specdec.devices.memory import MemoryPlan, bundle_parts, graphs_loaded, plan_kv
+from specdec.devices.profiles import DeviceProfile, get_profile
+from specdec.errors import SpecdecError
+from specdec.runtime.manifest import Manifest, read_manifest
+from specdec.runtime.session import PROVIDERS, RuntimeOptions
+
+TRT_CACHE = "trt_cache"  # TensorRT engine cache folder inside the bundle
+_LABEL = {"cpu": "CPU", "cuda": "CUDA", "tensorrt": "TensorRT"}
+
+
+@dataclass(frozen=True)
+class DeviceSetup:
+    profile: DeviceProfile
+    runtime: RuntimeOptions
+    max_len: int
+    draft_len: int | str  # the profile's; the caller uses it only where --draft-len was not given
+    plan: MemoryPlan | None  # None when the budget could not be computed (a fraction of unknown memory)
+
+    def describe(self) -> str:
+        kv = f"KV {self.max_len:,} tokens"
+        if self.plan is not None:
+            kv += f" ({self.plan.kv_len_how}; weights {self.plan.weight_bytes / 2**20:.0f} MiB, budget " \
+                  f"{self.plan.budget / 2**30:.2f} GiB)"
+        return f"device {self.profile.name}: provider {self.runtime.provider}, {kv}, draft {self.draft_len}"
+
+
+def check_provider(provider: str, available: Sequence[str], profile: DeviceProfile | None = None) -> None:
+    """SpecdecError naming what is missing; for a profile's own provider, it names the profile and points at cpu."""
+    missing = [p for p in (["cuda"] if provider == "tensorrt" else []) + [provider] if PROVIDERS[p] not in available]
+    if not missing:
+        return
+    have = ", ".join(p.replace("ExecutionProvider", "").lower() for p in available) or "none"
+    needs = " and ".join(_LABEL[p] for p in dict.fromkeys(["cuda", provider] if provider == "tensorrt" else [provider]))
+    if profile is not None:
+        raise SpecdecError(
+            f"device profile {profile.name} needs the {needs} execution provider, which this onnxruntime lacks "
+            f"(available: {have})",
+            "on a machine with an NVIDIA GPU install onnxruntime-gpu (pip uninstall -y onnxruntime && pip install "
+            "onnxruntime-gpu); on this machine use --device cpu")
+    raise SpecdecError(f"execution provider {provider} ({needs}) is not available in this onnxruntime "
+                       f"(available: {have})", "install onnxruntime-gpu for cuda/tensorrt, or use --provider cpu")
+
+
+def runtime_options(profile: DeviceProfile, provider: str | None = None, threads: int = 0, device_id: int = 0,
+                    bundle: Path | None = None) -> RuntimeOptions:
+    """The profile's RuntimeOptions; `provider` overrides its first provider. TensorRT caches engines in the bundle."""
+    provider = provider or profile.provider
+    trt_cache = str(Path(bundle) / TRT_CACHE) if (provider == "tensorrt" and bundle is not None) else None
+    try:
+        return RuntimeOptions(provider=provider, device_id=device_id, threads=threads, trt_cache_dir=trt_cache,
+                              cuda_options=dict(profile.cuda_options), trt_options=dict(profile.trt_options))
+    except ValueError as e:
+        raise SpecdecError(str(e)) from None
+
+
+def plan_for_bundle(profile: DeviceProfile, bundle: Path, manifest: Manifest | None = None,
+                    detected: DetectedDevice | None = None, drafter: str | None = None,
+                    requested_len: int | None = None) -> MemoryPlan:
+    """The profile's memory arithmetic for the graphs the engine will load from `bundle`."""
+    manifest = manifest or read_manifest(Path(bundle), verify_checksums=False)
+    weights, kv, max_position = bundle_parts(Path(bundle), manifest, graphs_loaded(manifest, drafter))
+    memory = None
+    if profile.budget is None:
+        detected = detected or detect()
+        memory = detected.memory_for(profile)
+    budget = profile.budget_bytes(memory)
+    how = f"{profile.name}: " + (profile.budget_text() if profile.budget is not None
+                                 else f"{profile.budget_fraction:.0%} of {memory / 2**30:.1f} GiB detected")
+    return plan_kv(budget, weights, profile.workspace, kv, max_position, requested_len, how)
+
+
+def device_setup(name: str, bundle: str | Path, provider: str | None = None, max_len: int | None = None,
+                 threads: int = 0, drafter: str | None = None, available: Sequence[str] | None = None,
+                 detected: DetectedDevice | None = None) -> DeviceSetup:
+    """Apply profile `name` to `bundle`: explicit `provider` / `max_len` win over the profile's.
+
+    An explicit max_len is still checked against the budget (a clear error if it does not fit); when the
+    budget is a fraction of memory that cannot be read, an explicit max_len is taken as it is.
+    """
+    profile = get_profile(name)
+    if available is None:
+        import onnxruntime as ort
+
+        available = ort.get_available_providers()
+    chosen = provider or profile.provider
+    check_provider(chosen, available, profile if provider is None else None)
+    runtime = runtime_options(profile, chosen, threads, bundle=Path(bundle))
+    manifest = read_manifest(Path(bundle), verify_checksums=False)  # the engine verifies checksums later
+    try:
+        plan = plan_for_bundle(profile, Path(bundle), manifest, detected, drafter, max_len)
+    except SpecdecError:
+        if max_len is not None and profile.budget is None and (detected or detect()).memory_for(profile) is None:
+            plan = None
+        else:
+            raise
+    length = max_len if max_len is not None else plan.kv_len
+    return DeviceSetup(profile, runtime, length, profile.draft_len, plan)

@@ -1,0 +1,50 @@
+"""The default model end to end (slow: export ~2 min on 2 cores). CI runs these."""
+from __future__ import annotations
+
+import pytest
+
+import specdec
+from specdec import GenerationConfig
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Summarize in one sentence: The city council met on Tuesday to discuss the new park. Residents asked "
+    "for more trees and benches. The council agreed to plant fifty trees and add twenty benches by spring.",
+    "Write a short poem about the sea.",
+]
+
+
+@pytest.fixture(scope="module")
+def real_bundle(tmp_path_factory):
+    from specdec.export.bundle import ExportConfig, export_bundle
+
+    out = tmp_path_factory.mktemp("real") / "smollm2"
+    export_bundle(None, out, ExportConfig(drafter="self-int8", max_len=1024))
+    return out
+
+
+def test_export_checked_against_transformers(real_bundle):
+    m = specdec.load(real_bundle, drafter="none").manifest
+    assert m.graphs["target"].checks["max_abs_logit_diff_vs_transformers"] <= 1e-3
+    assert m.model.n_layers == 30 and m.model.vocab_size == 49152
+
+
+def test_answers_a_chat_prompt_sensibly(real_bundle):
+    g = specdec.load(real_bundle).generate(PROMPTS[0], GenerationConfig(max_new_tokens=32))
+    assert "Paris" in g.text
+    assert g.finish_reason == "eos"
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model", "hybrid"])
+def test_speculative_greedy_identical_on_the_real_model(real_bundle, drafter):
+    engine = specdec.load(real_bundle)
+    for prompt in PROMPTS:
+        engine.use_drafter("none")
+        plain = engine.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=0))
+        engine.use_drafter(drafter)
+        spec = engine.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=4))
+        assert spec.token_ids == plain.token_ids, (drafter, prompt)
+        if drafter != "ngram":
+            assert spec.stats.tau > 2.0  # the int8 self-draft agrees with the fp32 target most of the time
