@@ -144,7 +144,11 @@ def generation_options(fn):
                      help="Override the bundle's drafter (hybrid = n-gram lookup where it matches, the draft model elsewhere)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--max-len", type=int, default=None, help="KV buffer length in tokens (default: the bundle's)."),
-        click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True),
+        click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default=None,
+                     help="Execution provider (default: cpu, or the --device profile's)."),
+        click.option("--device", default=None, metavar="PROFILE",
+                     help="Device profile (`specdec devices`): provider, KV length and draft length; "
+                          "--provider, --max-len and --draft-len still win."),
         click.option("--threads", default=0, show_default=True, help="Intra-op threads (0 = all cores)."),
     ]
     for opt in reversed(opts):
@@ -152,10 +156,25 @@ def generation_options(fn):
     return fn
 
 
-def _engine(bundle, drafter, max_len, provider, threads):
+def _device_setup(device, bundle, provider, max_len, threads, drafter=None, cfg=None):
+    """--device PROFILE: (runtime options, KV length, cfg with the profile's draft length); explicit flags win."""
+    if device is None:
+        return _runtime_options(provider or "cpu", threads), max_len, cfg
+    import dataclasses
+
+    from specdec.devices.setup import device_setup
+
+    s = device_setup(device, bundle, provider=provider, max_len=max_len, threads=threads, drafter=drafter)
+    if cfg is not None and cfg.draft_len is None:
+        cfg = dataclasses.replace(cfg, draft_len=s.draft_len)
+    click.echo(f"- {s.describe()}", err=True)
+    return s.runtime, s.max_len, cfg
+
+
+def _engine(bundle, drafter, max_len, runtime):
     import specdec
 
-    return specdec.load(bundle, drafter=drafter, max_len=max_len, runtime=_runtime_options(provider, threads))
+    return specdec.load(bundle, drafter=drafter, max_len=max_len, runtime=runtime)
 
 
 def _stats_line(stats) -> str:
@@ -175,10 +194,11 @@ def _stats_line(stats) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, finish reason, stats).")
 @friendly
 def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, drafter, stop, max_len,
-             provider, threads, raw, stats, as_json):
+             provider, device, threads, raw, stats, as_json):
     """Generate a reply to PROMPT with the bundle, streaming it."""
     cfg = _gen_config(max_new_tokens, temperature, top_k, top_p, seed, draft_len, stop, chat=not raw)
-    engine = _engine(bundle, drafter, max_len, provider, threads)
+    runtime, max_len, cfg = _device_setup(device, bundle, provider, max_len, threads, drafter, cfg)
+    engine = _engine(bundle, drafter, max_len, runtime)
     if as_json:
         g = engine.generate(prompt, cfg)
         click.echo(json.dumps({"text": g.text, "finish_reason": g.finish_reason, "stats": g.stats.to_dict()}))
@@ -196,10 +216,11 @@ def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, dr
 @click.option("--system", default=None, help="System prompt.")
 @friendly
 def chat(bundle, max_new_tokens, temperature, top_k, top_p, seed, draft_len, drafter, stop, max_len, provider,
-         threads, system):
+         device, threads, system):
     """Chat with the bundle. /reset clears the conversation, /exit quits; Ctrl-C stops an answer."""
     cfg = _gen_config(max_new_tokens, temperature, top_k, top_p, seed, draft_len, stop)
-    engine = _engine(bundle, drafter, max_len, provider, threads)
+    runtime, max_len, cfg = _device_setup(device, bundle, provider, max_len, threads, drafter, cfg)
+    engine = _engine(bundle, drafter, max_len, runtime)
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)
     click.echo("specdec chat: /reset clears the conversation, /exit quits, Ctrl-C stops an answer.", err=True)
@@ -235,6 +256,60 @@ def chat(bundle, max_new_tokens, temperature, top_k, top_p, seed, draft_len, dra
         messages.append({"role": "assistant", "content": reply})
 
 
+@main.command()
+@click.option("--bundle", type=click.Path(path_type=Path), default=None,
+              help="Also show the memory arithmetic (weights + KV + workspace) for this bundle on every profile.")
+@click.option("--notes", is_flag=True, help="Also print the reason behind each profile's numbers.")
+@friendly
+def devices(bundle, notes):
+    """List device profiles, detect this machine and suggest one."""
+    from specdec.devices.report import render
+
+    click.echo(render(bundle, notes=notes))
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--to", "precision", required=True, help="int8 | int4 (weight-only, T-invariant kernels).")
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True)
+@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@friendly
+def quantize(bundle, precision, out_dir, force):
+    """Write a copy of an fp32 BUNDLE with its target quantized."""
+    from specdec.quant.bundle import quantize_bundle
+
+    quantize_bundle(bundle, out_dir, precision, force=force)
+    size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
+    click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, target {precision})")
+
+
+@main.command("quant-report")
+@click.argument("reference", type=click.Path(path_type=Path))
+@click.argument("candidate", type=click.Path(path_type=Path))
+@click.option("--questions", type=click.Path(path_type=Path), default=None, help="Spec-Bench questions JSONL.")
+@click.option("--limit", type=int, default=1, show_default=True, help="Questions per category.")
+@click.option("--max-new-tokens", default=96, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the report as JSON.")
+@friendly
+def quant_report_cmd(reference, candidate, questions, limit, max_new_tokens, out):
+    """Quality and speed of CANDIDATE's target against REFERENCE's, teacher-forced on REFERENCE's answers."""
+    from rich.console import Console
+
+    from specdec.quant.report import quant_report, render
+    from specdec.spec_bench import load_spec_bench
+
+    questions = questions or DEFAULT_QUESTIONS
+    if not questions.is_file():
+        raise SpecdecError(f"questions file {questions} not found", "pass --questions PATH")
+    prompts = [p.messages for p in load_spec_bench(questions, limit_per_category=limit or None)]
+    report = quant_report(reference, candidate, prompts, max_new_tokens=max_new_tokens)
+    Console().print(render(report))
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        click.echo(f"wrote {out}")
+
+
 DEFAULT_QUESTIONS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "spec_bench_questions.jsonl"
 
 
@@ -247,10 +322,11 @@ DEFAULT_QUESTIONS = Path(__file__).resolve().parent.parent.parent / "shared" / "
               help="Comma-separated DRAFTER:K runs beside plain decoding (K an integer or auto).")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--max-len", type=int, default=None, help="KV buffer length in tokens.")
+@click.option("--device", default=None, metavar="PROFILE", help="Device profile (`specdec devices`): provider and KV length.")
 @click.option("--threads", default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write results as JSON (and a PNG beside it).")
 @friendly
-def bench(bundle, questions, limit, configs, max_new_tokens, max_len, threads, out):
+def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, threads, out):
     """Speed-up of speculative over plain decoding on Spec-Bench, measured side by side."""
     import specdec
     from rich.console import Console
@@ -266,7 +342,8 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, threads, o
         prompts = load_spec_bench(questions, limit_per_category=limit or None)
     except ValueError as e:
         raise SpecdecError(str(e), "pass a Spec-Bench question.jsonl") from None
-    engine = specdec.load(bundle, max_len=max_len, runtime=_runtime_options("cpu", threads))
+    runtime, max_len, _ = _device_setup(device, bundle, None, max_len, threads, drafter="model")
+    engine = specdec.load(bundle, max_len=max_len, runtime=runtime)
     wanted = [BenchConfig.parse(c.strip()) for c in configs.split(",") if c.strip()]
     if engine.manifest.drafter.graph is None:
         skipped = [c.name for c in wanted if c.drafter in ("model", "hybrid")]
@@ -285,6 +362,59 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, threads, o
         out.write_text(json.dumps(result, indent=1))
         png = out.with_suffix(".png")
         click.echo(f"wrote {out}" + (f" and {png}" if plot(result, str(png)) else " (no plot: matplotlib missing)"))
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.argument("input_path", metavar="IN", type=click.Path(path_type=Path))
+@click.argument("output", metavar="OUT", type=click.Path(path_type=Path))
+@click.option("--errors", "errors_path", type=click.Path(path_type=Path), default=None,
+              help="Where bad lines are reported (default: OUT.errors.jsonl; rewritten by every run).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Sequences decoded at once (default: specdec.batch.DEFAULT_BATCH_SIZE, measured on a 2-core CPU).")
+@click.option("--draft-len", callback=_parse_draft_len, default=None,
+              help="Drafted tokens per round: K, 'auto', or 0 for plain decoding (default: the bundle's).")
+@click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid"]), default=None,
+              help="Override the bundle's drafter (batch size > 1: none, ngram or model).")
+@click.option("--max-new-tokens", default=256, show_default=True, help="Default for lines that do not set it.")
+@click.option("--max-len", type=int, default=None, help="KV buffer length in tokens (default: the bundle's).")
+@click.option("--threads", default=0, show_default=True, help="Intra-op threads (0 = all cores).")
+@click.option("--force", is_flag=True, help="Add to an output written with another bundle or other settings.")
+@friendly
+def batch(bundle, input_path, output, errors_path, batch_size, draft_len, drafter, max_new_tokens, max_len, threads,
+          force):
+    """Generate for every line of IN (JSONL: id + prompt or messages) into OUT; rerun to resume.
+
+    Each output line is {"id", "text", "finish_reason", "stats"}, appended whole as each request finishes.
+    Ids already in OUT are skipped, so rerunning the same command after a crash or Ctrl-C resumes it. Bad
+    lines go to the errors file and the job goes on (exit 0; the summary counts them).
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from specdec.batch import DEFAULT_BATCH_SIZE, BatchJob
+
+    job = BatchJob(bundle, input_path, output, errors_path, batch_size=batch_size or DEFAULT_BATCH_SIZE,
+                   drafter=drafter, draft_len=draft_len, max_new_tokens=max_new_tokens, max_len=max_len,
+                   runtime=_runtime_options("cpu", threads), force=force)
+    c = job.counts
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[tok_s]:.1f} tok/s"), TextColumn("ETA"), TimeRemainingColumn(),
+                  console=Console(stderr=True), disable=not sys.stderr.isatty()) as progress:
+        task = progress.add_task("generating", total=None, tok_s=0.0)
+        try:
+            job.run(on_start=lambda n: progress.update(task, total=n),
+                    on_record=lambda rec, c: progress.update(task, advance=1, tok_s=c.tokens / max(c.elapsed_s, 1e-9)))
+        except KeyboardInterrupt:
+            progress.stop()
+            click.echo(f"\ninterrupted: {c.done} of {c.total} requests done ({c.written} this run), nothing half "
+                       f"written; rerun the same command to resume", err=True)
+            sys.exit(130)
+    note = f"; dropped a partial last line ({c.cut_partial} bytes) and redid it" if c.cut_partial else ""
+    errors = f"; {c.errors} error{'s' if c.errors != 1 else ''} (see {job.errors_path})" if c.errors else "; 0 errors"
+    click.echo(f"done: {c.done} of {c.total} requests in {output} ({c.written} this run, {c.done_before} already "
+               f"there), {c.tokens} tokens in {c.elapsed_s:.1f} s ({c.tokens / max(c.elapsed_s, 1e-9):.1f} tok/s)"
+               f"{errors}{note}")
 
 
 if __name__ == "__main__":

@@ -197,7 +197,7 @@ class MemoryPlan:
 
     def breakdown(self) -> str:
         """The arithmetic, one step a line."""
-        w = 12
+        w = 14
         lines = [f"  budget        {fmt_bytes(self.budget):>{w}}" + (f"  ({self.budget_how})" if self.budget_how else "")]
         for i, part in enumerate(self.weights):
             lead = "- weights     " if i == 0 else "              "
@@ -206,9 +206,9 @@ class MemoryPlan:
         lines.append(f"  = room for KV {fmt_bytes(self.room):>{w}}")
         for i, k in enumerate(self.kv):
             lead = "KV per token  " if i == 0 else "            + "
-            lines.append(f"  {lead}{k.bytes_per_token:>{w},} B  {k.name}: {k.formula()}")
+            lines.append(f"  {lead}{k.bytes_per_token:>{w - 2},} B  {k.name}: {k.formula()}")
         if len(self.kv) > 1:
-            lines.append(f"              = {self.kv_bytes_per_token:>{w},} B")
+            lines.append(f"              = {self.kv_bytes_per_token:>{w - 2},} B")
         lines.append(f"  KV length     {self.kv_len:>{w},}  {self.kv_len_how}")
         lines.append(f"  KV buffers    {fmt_bytes(self.kv_bytes):>{w}}  ({self.kv_len:,} x {self.kv_bytes_per_token:,} B), "
                      f"{fmt_bytes(self.unused)} of the room unused")
@@ -245,7 +245,7 @@ def plan_kv(budget: int, weights: Sequence[WeightPart], workspace: int, kv: Sequ
                 f"({requested_len:,} x {per_token:,} B per token) but {fmt_bytes(room)} is left after weights "
                 f"({fmt_bytes(weight_bytes)}) and workspace ({fmt_bytes(workspace)}) in the {fmt_bytes(budget)} "
                 f"budget: {fmt_bytes(need - room)} missing",
-                f"use --max-len {largest} or less, or {ways}")
+                (f"use --max-len {largest} or less, or " if largest > 0 else "") + ways)
         return MemoryPlan(budget, weights, workspace, kv, max_position, requested_len, budget_how,
                           f"requested; {fits:,} would fit")
     least = min(multiple, max_position)

@@ -34,26 +34,29 @@ class DeviceSetup:
     def describe(self) -> str:
         kv = f"KV {self.max_len:,} tokens"
         if self.plan is not None:
-            kv += f" ({self.plan.kv_len_how}; weights {self.plan.weight_bytes / 2**20:.0f} MiB, budget " \
-                  f"{self.plan.budget / 2**30:.2f} GiB)"
+            kv += (f" (budget {self.plan.budget / 2**30:.2f} GiB, weights {self.plan.weight_bytes / 2**20:.0f} MiB, "
+                   f"room for {self.plan.room // self.plan.kv_bytes_per_token:,})")
         return f"device {self.profile.name}: provider {self.runtime.provider}, {kv}, draft {self.draft_len}"
 
 
 def check_provider(provider: str, available: Sequence[str], profile: DeviceProfile | None = None) -> None:
     """SpecdecError naming what is missing; for a profile's own provider, it names the profile and points at cpu."""
-    missing = [p for p in (["cuda"] if provider == "tensorrt" else []) + [provider] if PROVIDERS[p] not in available]
+    needed = ["cuda", "tensorrt"] if provider == "tensorrt" else [provider]  # TensorRT hands what it cannot build to CUDA
+    missing = [p for p in needed if PROVIDERS[p] not in available]
     if not missing:
         return
     have = ", ".join(p.replace("ExecutionProvider", "").lower() for p in available) or "none"
-    needs = " and ".join(_LABEL[p] for p in dict.fromkeys(["cuda", provider] if provider == "tensorrt" else [provider]))
-    if profile is not None:
-        raise SpecdecError(
-            f"device profile {profile.name} needs the {needs} execution provider, which this onnxruntime lacks "
-            f"(available: {have})",
-            "on a machine with an NVIDIA GPU install onnxruntime-gpu (pip uninstall -y onnxruntime && pip install "
-            "onnxruntime-gpu); on this machine use --device cpu")
-    raise SpecdecError(f"execution provider {provider} ({needs}) is not available in this onnxruntime "
-                       f"(available: {have})", "install onnxruntime-gpu for cuda/tensorrt, or use --provider cpu")
+    what = " and ".join(_LABEL[p] for p in missing) + " execution provider" + ("s" if len(missing) > 1 else "")
+    if profile is None:
+        raise SpecdecError(f"execution provider {provider} is not available in this onnxruntime (missing: {what}; "
+                           f"available: {have})", "install onnxruntime-gpu for cuda/tensorrt, or use --provider cpu")
+    if missing == ["tensorrt"]:
+        hint = (f"run {profile.name} on CUDA with --provider cuda, or install an onnxruntime-gpu build with TensorRT; "
+                "--device cpu runs on the CPU")
+    else:
+        hint = "use --device cpu here; on a machine with an NVIDIA GPU, replace onnxruntime with onnxruntime-gpu"
+    raise SpecdecError(f"device profile {profile.name} needs the {what}, which this onnxruntime lacks "
+                       f"(available: {have})", hint)
 
 
 def runtime_options(profile: DeviceProfile, provider: str | None = None, threads: int = 0, device_id: int = 0,
@@ -101,12 +104,9 @@ def device_setup(name: str, bundle: str | Path, provider: str | None = None, max
     check_provider(chosen, available, profile if provider is None else None)
     runtime = runtime_options(profile, chosen, threads, bundle=Path(bundle))
     manifest = read_manifest(Path(bundle), verify_checksums=False)  # the engine verifies checksums later
-    try:
-        plan = plan_for_bundle(profile, Path(bundle), manifest, detected, drafter, max_len)
-    except SpecdecError:
-        if max_len is not None and profile.budget is None and (detected or detect()).memory_for(profile) is None:
-            plan = None
-        else:
-            raise
-    length = max_len if max_len is not None else plan.kv_len
-    return DeviceSetup(profile, runtime, length, profile.draft_len, plan)
+    if profile.budget is None:
+        detected = detected or detect()
+        if detected.memory_for(profile) is None and max_len is not None:
+            return DeviceSetup(profile, runtime, max_len, profile.draft_len, None)
+    plan = plan_for_bundle(profile, Path(bundle), manifest, detected, drafter, max_len)
+    return DeviceSetup(profile, runtime, plan.kv_len, profile.draft_len, plan)

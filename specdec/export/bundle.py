@@ -16,23 +16,12 @@ from specdec.errors import SpecdecError
 from specdec.export.graph import (CONTROL_INPUTS, build_decoder_graph, kv_input_names, kv_output_names,
                                   model_config_from_hf, save_graph, weights_from_torch)
 from specdec.export.verify import FP32_TOLERANCE, max_logit_diff
-from specdec.quant.weight_only import WeightQuantConfig, quantize_weights
+from specdec.quant.weight_only import SELF_DRAFT_PRESETS, TARGET_PRESETS, quantize_weights
 from specdec.runtime.manifest import (MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
                                       read_manifest, sha256_file)
 from specdec.runtime.tokenizer import vocab_digest
 
-# Target precisions: weight-only quantization that keeps fp32 activations, so a T-token verification
-# computes what T single steps compute and greedy speculation stays token-identical.
-TARGET_QUANT = {
-    "int8": WeightQuantConfig(bits=8, block_size=32, accuracy_level=0),
-    "int4": WeightQuantConfig(bits=4, block_size=32, accuracy_level=0),
-}
-# Self-drafts never reach the output, so they take the fastest kernels (int8 activations).
-SELF_DRAFT_QUANT = {
-    "self-int8": WeightQuantConfig(bits=8, block_size=32, accuracy_level=4),
-    "self-int4": WeightQuantConfig(bits=4, block_size=32, accuracy_level=4),
-}
-DRAFTERS = ("none", "ngram", *SELF_DRAFT_QUANT, "model:PATH")
+DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "model:PATH")
 
 
 @dataclass(frozen=True)
@@ -45,8 +34,8 @@ class ExportConfig:
     force: bool = False
 
     def __post_init__(self) -> None:
-        if self.precision not in ("fp32", *TARGET_QUANT):
-            raise SpecdecError(f"unknown precision {self.precision!r}", f"choose one of fp32, {', '.join(TARGET_QUANT)}")
+        if self.precision not in ("fp32", *TARGET_PRESETS):
+            raise SpecdecError(f"unknown precision {self.precision!r}", f"choose one of fp32, {', '.join(TARGET_PRESETS)}")
         if not (self.drafter in DRAFTERS[:-1] or self.drafter.startswith("model:")):
             raise SpecdecError(f"unknown drafter {self.drafter!r}", f"choose one of {', '.join(DRAFTERS)}")
         if self.max_len <= 0 or self.draft_len <= 0:
@@ -96,7 +85,7 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             save_graph(build_decoder_graph(model_cfg, weights), partial / "target.onnx")
             graphs["target"] = _graph_spec("target.onnx", model_cfg, "fp32", L)
         else:
-            qcfg = TARGET_QUANT[cfg.precision]
+            qcfg = TARGET_PRESETS[cfg.precision]
             save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
                        partial / "target.onnx")
             graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, quant=qcfg.to_dict())
@@ -120,8 +109,8 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         drafter = DrafterSpec(kind="none", draft_len=cfg.draft_len)
         if cfg.drafter == "ngram":
             drafter = DrafterSpec(kind="ngram", max_ngram=cfg.max_ngram, draft_len=cfg.draft_len)
-        elif cfg.drafter in SELF_DRAFT_QUANT:
-            qcfg = SELF_DRAFT_QUANT[cfg.drafter]
+        elif cfg.drafter in SELF_DRAFT_PRESETS:
+            qcfg = SELF_DRAFT_PRESETS[cfg.drafter]
             step(f"writing drafter graph ({cfg.drafter})")
             save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
                        partial / "draft.onnx")

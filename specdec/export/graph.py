@@ -158,9 +158,15 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     t = np.arange(cfg.max_position, dtype=np.float64)[:, None] * w.inv_freq.astype(np.float64)[None, :]
     cos = b.init("rope.cos", (np.cos(t) * w.rope_scale).astype(np.float32))
     sin = b.init("rope.sin", (np.sin(t) * w.rope_scale).astype(np.float32))
-    embed = b.init("embed.weight", w.embed)
-
-    x = b.op("Gather", [embed, "input_ids"], name="embed")[0]  # [B,T,D]
+    if w.lm_head is None:
+        # Tied head: store the matrix once, as the head's [D, V] MatMul weight (MatMul beats Gemm with
+        # transB at verification widths), and look embeddings up as its columns.
+        head = b.init("lm_head.weight", np.ascontiguousarray(w.embed.T))
+        cols = b.op("Gather", [head, "input_ids"], name="embed", axis=1)[0]  # [D,B,T]
+        x = b.op("Transpose", [cols], name="embed.transpose", perm=[1, 2, 0])[0]  # [B,T,D]
+    else:
+        head = b.init("lm_head.weight", w.lm_head)
+        x = b.op("Gather", [b.init("embed.weight", w.embed), "input_ids"], name="embed")[0]  # [B,T,D]
     taps: dict[int, str] = {0: x}
     residual = None
     pending = None  # output of the previous block, not yet added to the residual stream
@@ -198,18 +204,7 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
                                   domain=MS, name="final_norm", epsilon=eps)  # [B,T,D]
     taps[n_layers] = residual
 
-    if w.lm_head is None:
-        # Tied head: Gemm with transB reads the embedding itself, so the weights are stored once.
-        flat = b.op("Reshape", [normed, b.init("shape.flat", np.array([-1, D], np.int64))], name="lm_head.flatten")[0]
-        logits2d = b.op("Gemm", [flat, embed], name="lm_head", transB=1)[0]  # [B*T, V]
-        bt = b.op("Slice", [b.op("Shape", ["input_ids"], name="shape.ids")[0],
-                            b.init("c.0", np.array([0], np.int64)), b.init("c.2", np.array([2], np.int64))],
-                  name="shape.bt")[0]
-        out_shape = b.op("Concat", [bt, b.init("c.vocab", np.array([cfg.vocab_size], np.int64))], axis=0,
-                         name="shape.logits")[0]
-        b.op("Reshape", [logits2d, out_shape], outputs=["logits"], name="lm_head.unflatten")
-    else:
-        b.op("MatMul", [normed, b.init("lm_head.weight", w.lm_head)], outputs=["logits"], name="lm_head")
+    b.op("MatMul", [normed, head], outputs=["logits"], name="lm_head")  # [B,T,V]
 
     tap_outputs = []
     for t_idx in hidden_layers:

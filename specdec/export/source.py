@@ -83,6 +83,8 @@ def load_source(path: str | os.PathLike | None) -> Source:
     path = Path(path) if path is not None else default_model_path()
     kind = _kind_of(path)
 
+    # transformers' GGUF reader draws its own tqdm bar; specdec's export shows one progress display.
+    os.environ.setdefault("TQDM_DISABLE", "1")
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

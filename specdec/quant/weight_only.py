@@ -51,3 +51,16 @@ def quantize_weights(model: onnx.ModelProto, cfg: WeightQuantConfig) -> onnx.Mod
                              accuracy_level=cfg.accuracy_level or None, algo_config=algo)
     q.process()
     return q.model.model
+
+
+# Target presets: fp32 activations (accuracy_level 0), so a T-token verification computes what T single
+# steps compute and greedy speculation stays token-identical.
+TARGET_PRESETS = {
+    "int8": WeightQuantConfig(bits=8, block_size=32, accuracy_level=0),
+    "int4": WeightQuantConfig(bits=4, block_size=32, accuracy_level=0),
+}
+# Self-drafts never reach the output, so they take the fastest kernels (int8 activations).
+SELF_DRAFT_PRESETS = {
+    "self-int8": WeightQuantConfig(bits=8, block_size=32, accuracy_level=4),
+    "self-int4": WeightQuantConfig(bits=4, block_size=32, accuracy_level=4),
+}

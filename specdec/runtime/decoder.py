@@ -3,6 +3,11 @@
 The KV buffers are bound once, as both past input and present output. Per step only the small control
 inputs are bound; logits (and hidden taps) land in preallocated buffers, one OrtValue view per step
 width, so a decode step allocates nothing of size vocab or KV.
+
+On a GPU provider (cuda, tensorrt) the logits stay on the device, in one slab bound by address, and only
+the rows the caller reads come back: a verification step's k+1 rows, a prefill's last row (the other
+chunks of a prompt are never copied at all). The CPU path is unchanged: logits are written straight into
+host memory, where the caller reads them without a copy.
 """
 from __future__ import annotations
 
@@ -19,10 +24,18 @@ from specdec.runtime.session import RuntimeOptions, make_session
 # this many tokens, which bounds the logits buffer (64 x 49k vocab x 4 B = 12.6 MB) while keeping the
 # matmuls wide enough to be compute-bound.
 MAX_STEP = 64
+_FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def logits_on_device(opts: RuntimeOptions) -> bool:
+    """Keep logits on the device (and copy back only the rows read) exactly when the provider is a GPU's."""
+    return opts.device != "cpu"
 
 
 class Decoder:
-    def __init__(self, path: Path, spec: GraphSpec, model: ModelConfig, kv: KVCache, opts: RuntimeOptions) -> None:
+    def __init__(self, path: Path, spec: GraphSpec, model: ModelConfig, kv: KVCache, opts: RuntimeOptions,
+                 device_logits: bool | None = None) -> None:
+        """`device_logits` overrides logits_on_device(opts); tests set it to run the device path on the CPU."""
         self.spec, self.model, self.kv = spec, model, kv
         self.session = make_session(path, opts)
         names = {i.name for i in self.session.get_inputs()}
@@ -31,6 +44,12 @@ class Decoder:
             raise ValueError(f"graph {path.name} lacks inputs {missing} listed in the manifest")
         if kv.n_layers != spec.n_layers:
             raise ValueError(f"KV cache has {kv.n_layers} layers, graph {path.name} needs {spec.n_layers}")
+        types = {i.name: i.type for i in self.session.get_inputs()}
+        graph_kv = _FLOAT_TYPES.get(types.get("past.0.key", ""))
+        if graph_kv is not None and getattr(kv, "dtype", None) is not None and np.dtype(graph_kv) != kv.dtype:
+            raise ValueError(f"graph {path.name} keeps K/V in {np.dtype(graph_kv)}, the KV cache is {kv.dtype}")
+        out_type = {o.name: o.type for o in self.session.get_outputs()}.get("logits", "")
+        self._logits_dtype = np.dtype(_FLOAT_TYPES.get(out_type, np.float32))
         self.binding = self.session.io_binding()
         for i, (k_buf, v_buf) in enumerate(kv.values):
             self.binding.bind_ortvalue_input(f"past.{i}.key", k_buf)
@@ -38,7 +57,17 @@ class Decoder:
             self.binding.bind_ortvalue_output(f"present.{i}.key", k_buf)
             self.binding.bind_ortvalue_output(f"present.{i}.value", v_buf)
         B = kv.batch
-        self._logits = np.empty(B * MAX_STEP * model.vocab_size, dtype=np.float32)
+        self.device_logits = logits_on_device(opts) if device_logits is None else device_logits
+        if self.device_logits:
+            # One device slab; each step binds its [B,T,vocab] output at the slab's address. A second binding,
+            # never run, turns (address, shape) into OrtValues over rows of the slab for the copy back.
+            self._where = (opts.device, opts.device_id)
+            self._logits_dev = ort.OrtValue.ortvalue_from_shape_and_type(
+                [B * MAX_STEP * model.vocab_size], self._logits_dtype, opts.device, opts.device_id)
+            self._row_binding = self.session.io_binding()
+            self._logits = None
+        else:
+            self._logits = np.empty(B * MAX_STEP * model.vocab_size, dtype=self._logits_dtype)
         self._hidden = {t: np.empty(B * MAX_STEP * model.hidden_size, dtype=np.float32) for t in spec.hidden_layers}
         self._out_views: dict[int, list[tuple[str, np.ndarray, ort.OrtValue]]] = {}
         self._control: dict[int, dict[str, np.ndarray]] = {}
@@ -46,37 +75,67 @@ class Decoder:
     def _outputs_for(self, T: int) -> list[tuple[str, np.ndarray, ort.OrtValue]]:
         if T not in self._out_views:
             B = self.kv.batch
-            views = [("logits", self._logits[: B * T * self.model.vocab_size].reshape(B, T, self.model.vocab_size))]
+            views = [] if self.device_logits else \
+                [("logits", self._logits[: B * T * self.model.vocab_size].reshape(B, T, self.model.vocab_size))]
             views += [(f"hidden.{t}", buf[: B * T * self.model.hidden_size].reshape(B, T, self.model.hidden_size))
                       for t, buf in self._hidden.items()]
             self._out_views[T] = [(n, v, ort.OrtValue.ortvalue_from_numpy(v)) for n, v in views]
         return self._out_views[T]
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, positions: np.ndarray | None = None,
+                query_lens: np.ndarray | None = None) -> np.ndarray:
         """Run tokens [B,T] at the rows' current lengths; return logits [B,T,vocab] (a reused buffer).
 
         K/V for the T tokens are written at [length, length+T) but not made valid: the caller decides
         how many to keep with kv.advance(). `positions` default to length + arange(T) (tree steps pass
-        their own).
+        their own). `query_lens` [B] (default: T for every row) runs ragged rows: row b's first query_lens[b]
+        tokens are real, the rest padding (not written to the KV, logits meaningless); 0 = an idle row,
+        whose KV is untouched. GroupQueryAttention still needs length + T <= max_len for every active row.
         """
+        B, T = self._run(tokens, positions, query_lens)
+        if self.device_logits:
+            return self._read_logits(B, T)
+        return self._outputs_for(T)[0][1]
+
+    def _run(self, tokens: np.ndarray, positions: np.ndarray | None,
+             query_lens: np.ndarray | None = None) -> tuple[int, int]:
         B, T = tokens.shape
         if T > MAX_STEP:
             raise ValueError(f"step of {T} tokens exceeds MAX_STEP={MAX_STEP}; prefill in chunks")
+        q = np.full(B, T, dtype=np.int64) if query_lens is None else np.asarray(query_lens, dtype=np.int64)  # [B]
         for row in range(B):
-            self.kv.check_room(T, row)
+            if q[row] > 0:
+                self.kv.check_room(T, row)
         lengths = self.kv.lengths
         if positions is None:
             positions = lengths[:, None] + np.arange(T, dtype=np.int64)[None, :]  # [B,T]
         b = self.binding
         b.bind_cpu_input("input_ids", np.ascontiguousarray(tokens, dtype=np.int64))
         b.bind_cpu_input("position_ids", np.ascontiguousarray(positions, dtype=np.int64))
-        b.bind_cpu_input("seqlens_k", (lengths + T - 1).astype(np.int32))
-        b.bind_cpu_input("total_sequence_length", np.array(int(lengths.max()) + T, dtype=np.int32))
-        b.bind_cpu_input("query_lens", np.full(B, T, dtype=np.int32))
+        # An idle row's seqlens_k must still be a valid index (>= 0, GQA checks it against the rotary cache).
+        b.bind_cpu_input("seqlens_k", np.where(q > 0, lengths + q - 1, 0).astype(np.int32))
+        b.bind_cpu_input("total_sequence_length", np.array(int(np.where(q > 0, lengths + q, 1).max()), dtype=np.int32))
+        b.bind_cpu_input("query_lens", q.astype(np.int32))
         for name, _, value in self._outputs_for(T):
             b.bind_ortvalue_output(name, value)
+        if self.device_logits:
+            b.bind_output("logits", self._where[0], self._where[1], self._logits_dtype, [B, T, self.model.vocab_size],
+                          self._logits_dev.data_ptr())
         self.session.run_with_iobinding(b)
-        return self._outputs_for(T)[0][1]
+        return B, T
+
+    def _read_logits(self, B: int, T: int, first: int = 0) -> np.ndarray:
+        """Rows [first, T) of every batch row of the last step's device logits [B,T,vocab], on the host."""
+        V, size = self.model.vocab_size, self._logits_dtype.itemsize
+        base = self._logits_dev.data_ptr()
+        # (address, shape) of each contiguous block: the whole step, or the wanted rows of each batch row.
+        blocks = [(base, [B, T, V])] if first == 0 else \
+            [(base + (b * T + first) * V * size, [1, T - first, V]) for b in range(B)]
+        out = []
+        for ptr, shape in blocks:
+            self._row_binding.bind_output("logits", self._where[0], self._where[1], self._logits_dtype, shape, ptr)
+            out.append(self._row_binding.copy_outputs_to_cpu()[0])
+        return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
 
     def hidden(self, tap: int, T: int) -> np.ndarray:
         """The tap's output of the last forward of width T: [B,T,hidden] (a reused buffer)."""
@@ -90,6 +149,11 @@ class Decoder:
         last = None
         for start in range(0, T, MAX_STEP):
             chunk = tokens[:, start:start + MAX_STEP]
-            last = self.forward(chunk)[:, -1, :].copy()  # [B,vocab]; copy: the buffer is reused
+            if not self.device_logits:
+                last = self.forward(chunk)[:, -1, :].copy()  # [B,vocab]; copy: the buffer is reused
+            else:
+                b, t = self._run(chunk, None)
+                if start + MAX_STEP >= T:  # only the last chunk's last row is ever read: copy just that
+                    last = self._read_logits(b, t, t - 1)[:, 0, :].copy()  # [B,vocab]
             self.kv.advance(chunk.shape[1])
         return last

@@ -97,6 +97,20 @@ class Engine:
         self.drafter_kind, self.drafter = kind, self._drafters[kind]
         self._costs = None
 
+    def add_draft_bundle(self, bundle: str | Path, name: str) -> None:
+        """Register another bundle's target graph as a draft model under `name` (for use_drafter).
+
+        The other bundle must have the same vocabulary (tokenizer digest), since drafts are passed by id.
+        """
+        other = read_manifest(Path(bundle))
+        if other.tokenizer.vocab_digest != self.manifest.tokenizer.vocab_digest:
+            raise SpecdecError(f"draft bundle {bundle} has a different vocabulary from {self.path}",
+                               "a draft model must share the target's tokenizer")
+        g = other.graphs["target"]
+        kv = KVCache(g.n_layers, 1, g.model.n_kv_heads, self.max_len, g.model.head_dim,
+                     device=self.runtime.device, device_id=self.runtime.device_id)
+        self._drafters[name] = ModelDrafter(Decoder(Path(bundle) / g.file, g, g.model, kv, self.runtime))
+
     def _make_drafter(self, kind: str) -> Drafter | None:
         m = self.manifest
         if kind == "none":

@@ -19,6 +19,8 @@ class KVCache:
             raise ValueError("max_len and batch must be > 0")
         self.n_layers, self.batch, self.max_len = n_layers, batch, max_len
         self.shape = (batch, n_kv_heads, max_len, head_dim)
+        self.dtype = np.dtype(dtype)
+        self.device = device
         self.lengths = np.zeros(batch, dtype=np.int64)  # valid tokens per row
         if device == "cpu":
             # One slab for all layers: each layer's OrtValue wraps a view of it, so numpy can move rows
@@ -33,7 +35,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.n_layers * 2 * int(np.prod(self.shape)) * np.dtype(np.float32).itemsize
+        return self.n_layers * 2 * int(np.prod(self.shape)) * self.dtype.itemsize
 
     def reset(self) -> None:
         self.lengths[:] = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import onnxruntime as ort
 
@@ -23,8 +24,15 @@ class RuntimeOptions:
     device_id: int = 0
     threads: int = 0  # intra-op threads of the shared pool; 0 = one per usable core
     trt_cache_dir: str | None = None  # TensorRT engine cache (inside the bundle)
+    # Extra onnxruntime provider options (a device profile's), merged over the defaults below; stored as
+    # sorted (key, value) pairs so the options stay frozen. A dict is accepted.
+    cuda_options: tuple[tuple[str, Any], ...] = ()
+    trt_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        for f in ("cuda_options", "trt_options"):
+            v = getattr(self, f)
+            object.__setattr__(self, f, tuple(sorted(dict(v).items())))
         if self.provider not in PROVIDERS:
             raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}")
         if self.threads < 0 or self.device_id < 0:
@@ -48,12 +56,15 @@ def provider_list(opts: RuntimeOptions, available: list[str] | None = None) -> l
         )
     if opts.provider == "cpu":
         return ["CPUExecutionProvider"]
-    cuda = ("CUDAExecutionProvider", {"device_id": opts.device_id})
+    cuda = ("CUDAExecutionProvider", {"device_id": opts.device_id, **dict(opts.cuda_options)})
     if opts.provider == "cuda":
         return [cuda, "CPUExecutionProvider"]
-    trt = {"device_id": opts.device_id, "trt_fp16_enable": True, "trt_engine_cache_enable": True}
+    trt = {"device_id": opts.device_id, "trt_fp16_enable": True, "trt_engine_cache_enable": True,
+           **dict(opts.trt_options)}
     if opts.trt_cache_dir:
         trt["trt_engine_cache_path"] = opts.trt_cache_dir
+        if trt.get("trt_timing_cache_enable"):
+            trt.setdefault("trt_timing_cache_path", opts.trt_cache_dir)
     return [("TensorrtExecutionProvider", trt), cuda, "CPUExecutionProvider"]
 
 

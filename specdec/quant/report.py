@@ -1,0 +1,156 @@
+"""`specdec quant-report A B`: what bundle B's (quantized) target costs in quality and buys in speed
+against reference bundle A, on the same prompts in one run.
+
+Teacher-forced on A's own greedy answers: perplexity of each model on those answers, mean
+KL(p_A || p_B) and top-1 agreement of next-token distributions; size on disk; ms per forward at
+T=1 and T=5 after a past of 200; acceptance when B drafts for A (greedy chain, k=4); and the
+T-invariance of each graph (max |logits| difference between one T=5 step and five T=1 steps),
+which decides whether B may serve as a lossless speculative target.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from specdec.runtime.decoder import MAX_STEP, Decoder
+from specdec.runtime.engine import Engine, GenerationConfig
+
+FORWARD_PAST = 200
+FORWARD_REPS = 15
+
+
+def teacher_forced_logits(dec: Decoder, ids: Sequence[int]) -> np.ndarray:
+    """Logits [n, vocab] for every position of `ids`, in MAX_STEP chunks from an empty cache."""
+    dec.kv.reset()
+    out = []
+    arr = np.asarray([ids], dtype=np.int64)
+    for start in range(0, len(ids), MAX_STEP):
+        chunk = arr[:, start:start + MAX_STEP]
+        out.append(dec.forward(chunk)[0].copy())
+        dec.kv.advance(chunk.shape[1])
+    dec.kv.reset()
+    return np.concatenate(out)  # [n, vocab]
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def compare_logits(logits_a: np.ndarray, logits_b: np.ndarray, targets: np.ndarray) -> dict:
+    """Distribution metrics of B against A at positions whose next tokens are `targets` [n]."""
+    lp_a, lp_b = log_softmax(logits_a), log_softmax(logits_b)  # [n, vocab]
+    rows = np.arange(len(targets))
+    return {
+        "nll_a": float(-lp_a[rows, targets].sum()),
+        "nll_b": float(-lp_b[rows, targets].sum()),
+        "kl_sum": float((np.exp(lp_a) * (lp_a - lp_b)).sum()),
+        "agree": int((lp_a.argmax(-1) == lp_b.argmax(-1)).sum()),
+        "n": int(len(targets)),
+    }
+
+
+def t_invariance(dec: Decoder, ids: Sequence[int], width: int = 5) -> float:
+    """max |logits| between one `width`-token step and `width` single steps at the same positions."""
+    past = len(ids) - width
+    dec.kv.reset()
+    dec.prefill(np.asarray([ids[:past]], dtype=np.int64))
+    wide = dec.forward(np.asarray([ids[past:]], dtype=np.int64))[0].copy()  # [width, vocab]
+    singles = []
+    for t in ids[past:]:
+        singles.append(dec.forward(np.asarray([[t]], dtype=np.int64))[0, 0].copy())
+        dec.kv.advance(1)
+    dec.kv.reset()
+    return float(np.abs(wide - np.stack(singles)).max())
+
+
+def forward_ms(dec: Decoder, widths=(1, 5)) -> dict[str, float]:
+    rng = np.random.default_rng(0)
+    dec.kv.reset()
+    dec.prefill(rng.integers(0, dec.model.vocab_size, size=(1, FORWARD_PAST)))
+    out = {}
+    for t in widths:
+        x = rng.integers(0, dec.model.vocab_size, size=(1, t))
+        for _ in range(3):
+            dec.forward(x)
+        times = []
+        for _ in range(FORWARD_REPS):
+            t0 = time.perf_counter()
+            dec.forward(x)
+            times.append(time.perf_counter() - t0)
+        out[f"T={t}"] = 1000 * float(np.median(times))
+    dec.kv.reset()
+    return out
+
+
+def graph_bytes(engine: Engine) -> int:
+    g = engine.manifest.graphs["target"]
+    return sum((engine.path / f).stat().st_size for f in engine.manifest.files
+               if f == g.file or f.startswith(g.file + "."))
+
+
+def quant_report(bundle_a: Path, bundle_b: Path, prompts: list, max_new_tokens: int = 96, draft_len: int = 4) -> dict:
+    a = Engine(bundle_a, drafter="none")
+    b = Engine(bundle_b, drafter="none")
+    a.add_draft_bundle(bundle_b, "candidate")
+    totals = {"nll_a": 0.0, "nll_b": 0.0, "kl_sum": 0.0, "agree": 0, "n": 0}
+    inv_a = inv_b = 0.0
+    drafted = accepted = forwards = 0
+    for prompt in prompts:
+        ids = a.encode(prompt)
+        a.use_drafter("none")
+        a.reset()
+        answer = a.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, draft_len=0)).token_ids
+        seq = ids + answer
+        if len(answer) < 2:
+            continue
+        la = teacher_forced_logits(a.target, seq)[len(ids) - 1:-1]  # [n_answer, vocab] predicting answer
+        lb = teacher_forced_logits(b.target, seq)[len(ids) - 1:-1]
+        for key, v in compare_logits(la, lb, np.asarray(answer)).items():
+            totals[key] += v
+        inv_a = max(inv_a, t_invariance(a.target, seq[:len(ids) + 5]))
+        inv_b = max(inv_b, t_invariance(b.target, seq[:len(ids) + 5]))
+        a.use_drafter("candidate")
+        a.reset()
+        g = a.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len))
+        drafted, accepted, forwards = drafted + g.stats.drafted, accepted + g.stats.accepted, forwards + g.stats.target_forwards
+    n = max(totals["n"], 1)
+    row = lambda e, inv: {"precision": e.manifest.graphs["target"].precision, "quant": e.manifest.graphs["target"].quant,  # noqa: E731
+                          "size_mb": round(graph_bytes(e) / 1e6, 1), "forward_ms": forward_ms(e.target),
+                          "t_invariance_max_abs_logit": inv}
+    return {
+        "a": {"bundle": str(bundle_a), **row(a, inv_a), "perplexity": float(np.exp(totals["nll_a"] / n))},
+        "b": {"bundle": str(bundle_b), **row(b, inv_b), "perplexity": float(np.exp(totals["nll_b"] / n))},
+        "tokens": totals["n"],
+        "mean_kl_a_b": totals["kl_sum"] / n,
+        "top1_agreement": totals["agree"] / n,
+        "b_drafting_for_a": {"draft_len": draft_len, "acceptance_rate": accepted / max(drafted, 1),
+                             "tau": (accepted + forwards) / max(forwards, 1)},
+    }
+
+
+def render(report: dict):
+    from rich.table import Table
+
+    t = Table(title=f"quant report over {report['tokens']} teacher-forced answer tokens")
+    t.add_column("")
+    t.add_column("A (reference)", justify="right")
+    t.add_column("B", justify="right")
+    a, b = report["a"], report["b"]
+    t.add_row("bundle", a["bundle"], b["bundle"])
+    t.add_row("precision", a["precision"], b["precision"] + (f" {b['quant'].get('bits')}b/blk{b['quant'].get('block_size')}"
+                                                             f"/acc{b['quant'].get('accuracy_level')}" if b["quant"] else ""))
+    t.add_row("size on disk (MB)", f"{a['size_mb']:.0f}", f"{b['size_mb']:.0f}")
+    for w in ("T=1", "T=5"):
+        t.add_row(f"ms per forward {w}", f"{a['forward_ms'][w]:.1f}", f"{b['forward_ms'][w]:.1f}")
+    t.add_row("perplexity on A's answers", f"{a['perplexity']:.3f}", f"{b['perplexity']:.3f}")
+    t.add_row("T=5 vs 5xT=1 max |dlogit|", f"{a['t_invariance_max_abs_logit']:.1e}", f"{b['t_invariance_max_abs_logit']:.1e}")
+    t.add_row("mean KL(A||B)", "", f"{report['mean_kl_a_b']:.4f}")
+    t.add_row("top-1 agreement", "", f"{report['top1_agreement']:.3f}")
+    d = report["b_drafting_for_a"]
+    t.add_row(f"B drafting for A, k={d['draft_len']}", "", f"accept {d['acceptance_rate']:.3f}, tau {d['tau']:.2f}")
+    return t

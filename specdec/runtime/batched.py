@@ -1,0 +1,436 @@
+"""Batched speculative decoding: B sequences share one target graph, each at its own pace.
+
+Every round, each active row proposes up to k tokens with its own drafter; the target verifies all rows
+in one forward over a [B, T] input (T = 1 + the longest row's draft, shorter rows right-padded) and each
+row keeps its own number of tokens (ragged acceptance). A finished row is refilled with the next request
+at once (continuous batching), so the batch stays full until the queue runs dry.
+
+What makes that exact (each row's greedy output equals what the row gets alone) is onnxruntime's
+GroupQueryAttention with `query_lens` (its `query_seqlens` input), checked on the CPU provider
+(onnxruntime 1.32) against batch-1 runs:
+
+- per-row pasts: `seqlens_k[b] = length[b] + query_lens[b] - 1`, K/V of row b written in place at
+  [length[b], length[b] + query_lens[b]); each row attends only to its own valid prefix;
+- right padding: a row's tokens past query_lens[b] are not written to its KV, and their positions are
+  ignored (even out of the rotary cache's range); their logits are garbage and never read;
+- idle rows: query_lens[b] = 0 leaves row b's KV untouched, but seqlens_k[b] must still be >= 0 (the
+  kernel checks it against the rotary cache), so an idle row passes 0;
+- the padded width must fit every *active* row: length[b] + T <= max_len (the kernel refuses otherwise),
+  so a round's drafts are capped by the fullest active row's room (only near the end of the KV buffer);
+  idle rows, passing seqlens_k 0, do not constrain it.
+
+Rejected drafts cost nothing to roll back: a row's length advances by 1 + its accepted count, and the
+stale K/V past it are overwritten next round (as at batch 1, see kv.py).
+
+A new request's prompt is prefilled at batch 1: on the CPU a second IOBinding of the same session binds
+that row's slice of the KV slab ([1, kv_heads, max_len, head_dim], contiguous), so a refill neither pads
+B-1 idle rows through the matmuls nor loads the weights twice. The same binding runs a round when only
+one row is left. (On a GPU provider, where the KV has no host slab, the prefill runs through the batched
+graph with the other rows idle.)
+
+Drafters: "none" and "ngram" (one NgramDrafter per row; deterministic, so sampled rows are also exactly
+what the row gets alone with the same seed), "model" (the bundle's draft graph batched in the same way,
+one draft step for all rows at once, see BatchedModelDrafter).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from specdec.errors import SpecdecError
+from specdec.runtime.acceptance import greedy_accept, speculative_accept
+from specdec.runtime.decoder import MAX_STEP, Decoder
+from specdec.runtime.draft_len import AdaptiveDraftLen, DraftLenPolicy, FixedDraftLen, median_seconds
+from specdec.runtime.drafters.base import Draft
+from specdec.runtime.drafters.ngram import NgramDrafter
+from specdec.runtime.engine import AUTO_K_MAX, Engine, Generation, GenerationConfig
+from specdec.runtime.kv import KVCache
+from specdec.runtime.manifest import Manifest, read_manifest
+from specdec.runtime.sampling import probs_from_logits, sample, select_token
+from specdec.runtime.session import RuntimeOptions, provider_list
+from specdec.runtime.speculative import NO_DRAFT, SpecStats
+from specdec.runtime.tokenizer import StreamDecoder, TextCodec
+
+BATCH_DRAFTERS = ("none", "ngram", "model")
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    key: object  # the caller's handle, returned with the result (not hashed)
+    prompt_ids: tuple[int, ...]
+    cfg: GenerationConfig
+
+
+class _RowBinding:
+    """Batch-1 runs of one row of a batched decoder: the same session, the row's slice of the KV slab."""
+
+    def __init__(self, decoder: Decoder, row: int) -> None:
+        kv, model = decoder.kv, decoder.model
+        self.decoder, self.row = decoder, row
+        self.binding = decoder.session.io_binding()
+        for i in range(kv.n_layers):
+            for j, kind in enumerate(("key", "value")):
+                view = ort.OrtValue.ortvalue_from_numpy(kv.slab[i, j, row:row + 1])  # [1,KV,M,H], contiguous
+                self.binding.bind_ortvalue_input(f"past.{i}.{kind}", view)
+                self.binding.bind_ortvalue_output(f"present.{i}.{kind}", view)
+        self._logits = np.empty(MAX_STEP * model.vocab_size, dtype=np.float32)
+        self._hidden = {t: np.empty(MAX_STEP * model.hidden_size, dtype=np.float32) for t in decoder.spec.hidden_layers}
+        self._views: dict[int, list[tuple[str, np.ndarray, ort.OrtValue]]] = {}
+
+    def _outputs(self, T: int) -> list[tuple[str, np.ndarray, ort.OrtValue]]:
+        if T not in self._views:
+            m = self.decoder.model
+            views = [("logits", self._logits[: T * m.vocab_size].reshape(1, T, m.vocab_size))]
+            views += [(f"hidden.{t}", b[: T * m.hidden_size].reshape(1, T, m.hidden_size)) for t, b in self._hidden.items()]
+            self._views[T] = [(n, v, ort.OrtValue.ortvalue_from_numpy(v)) for n, v in views]
+        return self._views[T]
+
+    def forward(self, tokens: Sequence[int]) -> np.ndarray:
+        """Run tokens at the row's length (not advanced); return logits [T, vocab] (a reused buffer)."""
+        T = len(tokens)
+        kv = self.decoder.kv
+        kv.check_room(T, self.row)
+        length = int(kv.lengths[self.row])
+        b = self.binding
+        b.bind_cpu_input("input_ids", np.asarray([tokens], dtype=np.int64))
+        b.bind_cpu_input("position_ids", (length + np.arange(T, dtype=np.int64))[None, :])
+        b.bind_cpu_input("seqlens_k", np.array([length + T - 1], dtype=np.int32))
+        b.bind_cpu_input("total_sequence_length", np.array(length + T, dtype=np.int32))
+        b.bind_cpu_input("query_lens", np.array([T], dtype=np.int32))
+        for name, _, value in self._outputs(T):
+            b.bind_ortvalue_output(name, value)
+        self.decoder.session.run_with_iobinding(b)
+        return self._outputs(T)[0][1][0]
+
+
+class BatchedDecoder:
+    """A Decoder over KVCache(batch=B) plus ragged-row helpers: prefill one row, run any subset of rows."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder, self.kv = decoder, decoder.kv
+        self.B = decoder.kv.batch
+        self.rows = [_RowBinding(decoder, r) for r in range(self.B)] if decoder.kv.slab is not None else None
+
+    def forward_rows(self, inputs: dict[int, Sequence[int]]) -> dict[int, np.ndarray]:
+        """Run each row's tokens at its length (rows not in `inputs` idle); return each row's logits [q_b, vocab].
+
+        Lengths are not advanced. Logits are views of a reused buffer: read them before the next call.
+        """
+        if len(inputs) == 1 and self.rows is not None:  # one row: batch 1, no padded rows through the matmuls
+            (r, toks), = inputs.items()
+            return {r: self.rows[r].forward(toks)}
+        T = max(len(t) for t in inputs.values())
+        if any(int(self.kv.lengths[r]) + T > self.kv.max_len for r in inputs):
+            # The padded width must fit every active row (GQA); near the end of the buffer run rows one by one.
+            return {r: self.forward_rows({r: toks})[r].copy() for r, toks in inputs.items()}
+        tokens = np.zeros((self.B, T), dtype=np.int64)  # [B,T]
+        q = np.zeros(self.B, dtype=np.int64)  # [B] 0 = idle row
+        for r, toks in inputs.items():
+            tokens[r, :len(toks)] = toks
+            q[r] = len(toks)
+        # Padding and idle positions are ignored by the kernel; give them the row's last real position anyway.
+        positions = self.kv.lengths[:, None] + np.minimum(np.arange(T), np.maximum(q - 1, 0)[:, None])  # [B,T]
+        logits = self.decoder.forward(tokens, positions, query_lens=q)  # [B,T,vocab]
+        return {r: logits[r, :q[r]] for r in inputs}
+
+    def prefill_row(self, row: int, ids: Sequence[int]) -> np.ndarray:
+        """Make `ids` valid in `row` after its current length, in MAX_STEP chunks; return the last logits [vocab]."""
+        self.kv.check_room(len(ids), row)
+        last = None
+        for start in range(0, len(ids), MAX_STEP):
+            chunk = list(ids[start:start + MAX_STEP])
+            last = self.forward_rows({row: chunk})[row][-1].copy()
+            self.kv.lengths[row] += len(chunk)
+        return last
+
+
+class BatchedModelDrafter:
+    """The bundle's draft model drafting for all rows at once: one [B, 1..2] step per drafted position.
+
+    Per row it keeps what ModelDrafter keeps (`ids` mirrors the row's draft KV): a round first feeds the
+    row's tokens the draft KV lacks (the target's correction, or the last draft and the bonus token after
+    a fully accepted round), then drafts one token per step. Rows drafting fewer tokens go idle
+    (query_lens 0) for the remaining steps.
+    """
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.dec = BatchedDecoder(decoder)
+        self.kv = decoder.kv
+        B = self.kv.batch
+        self.ids: list[list[int]] = [[] for _ in range(B)]
+        self._proposed: list[list[int]] = [[] for _ in range(B)]
+
+    def begin(self, row: int) -> None:
+        self.ids[row] = []
+        self._proposed[row] = []
+        self.kv.lengths[row] = 0
+
+    def propose(self, rows: dict[int, tuple[Sequence[int], int, object, np.random.Generator]]) -> dict[int, Draft]:
+        """rows: row -> (context, k, sampling, rng). Returns each row's Draft (possibly empty)."""
+        kv, vocab = self.kv, self.dec.decoder.model.vocab_size
+        steps: dict[int, list[int]] = {}  # first step's input per drafting row
+        want: dict[int, int] = {}
+        for r, (context, k, _, _) in rows.items():
+            pending = list(context[len(self.ids[r]):])
+            k = min(k, kv.max_len - int(kv.lengths[r]) - len(pending) + 1)
+            if k <= 0 or not pending:
+                continue
+            if len(pending) > 2:  # a new prompt: prefill all but the last token at batch 1
+                self.dec.prefill_row(r, pending[:-1])
+                pending = pending[-1:]
+            self.ids[r] += list(context[len(self.ids[r]):])
+            steps[r], want[r] = pending, k
+        tokens = {r: np.empty(k, dtype=np.int64) for r, k in want.items()}
+        p_draft = {r: None if rows[r][2].greedy else np.empty((k, vocab), dtype=np.float32) for r, k in want.items()}
+        for i in range(max(want.values(), default=0)):
+            inputs = {r: steps[r] for r in want if i < want[r]}
+            if not inputs:
+                break
+            logits = self.dec.forward_rows(inputs)
+            for r, lo in logits.items():
+                kv.lengths[r] += len(inputs[r])
+                sampling, rng = rows[r][2], rows[r][3]
+                if p_draft[r] is None:
+                    tokens[r][i] = int(np.argmax(lo[-1]))
+                else:
+                    p_draft[r][i] = probs_from_logits(lo[-1], sampling)
+                    tokens[r][i] = sample(p_draft[r][i], rng)
+                steps[r] = [int(tokens[r][i])]
+        out = {}
+        for r in rows:
+            if r not in want:
+                out[r] = NO_DRAFT
+                self._proposed[r] = []
+                continue
+            # The KV now holds pending + tokens[:k-1]; the last draft was never fed.
+            self._proposed[r] = tokens[r][:-1].tolist()
+            self.ids[r] += self._proposed[r]
+            out[r] = Draft(tokens=tokens[r], p_draft=p_draft[r])
+        return out
+
+    def accept(self, row: int, n_accepted: int) -> None:
+        n_kept = min(n_accepted, len(self._proposed[row]))
+        keep = len(self.ids[row]) - len(self._proposed[row]) + n_kept
+        self.ids[row] = self.ids[row][:keep]
+        self.kv.lengths[row] = min(int(self.kv.lengths[row]), keep)
+
+
+class _Row:
+    """One sequence in flight: its request, drafter, policy, rng, text and stats."""
+
+    def __init__(self, req: BatchRequest, codec: TextCodec, eos: set[int]) -> None:
+        self.req, self.cfg = req, req.cfg
+        self.rng = np.random.default_rng(req.cfg.seed)
+        self.stats = SpecStats()
+        self.eos = eos
+        self.out = StreamDecoder(codec)
+        self.ids: list[int] = []
+        self.text = ""
+        self.reason = "kv_full"
+        self.context: list[int] = []
+        self.token = -1  # the last emitted token: the next round's first input, not yet in the KV
+        self.drafter: NgramDrafter | None = None
+        self.policy: DraftLenPolicy | None = None
+        self.t_decode = 0.0
+        self.done = False
+
+    def emit(self, tokens: list[int]) -> bool:
+        """Take one round's tokens exactly as Engine.stream_ids + Engine.stream do; True when finished."""
+        cfg = self.cfg
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), None)
+        tokens = tokens[:cut][: cfg.max_new_tokens - len(self.ids)]
+        self.ids += tokens
+        self.stats.new_tokens = len(self.ids)
+        self.text += self.out.push([t for t in tokens if t not in self.eos])
+        hit = next((s for s in cfg.stop if s in self.text), None)
+        if hit is not None:
+            self.text, self.reason = self.text[:self.text.index(hit)], "stop"
+            return True
+        if tokens and tokens[-1] in self.eos:
+            self.reason = "eos"
+        elif len(self.ids) >= cfg.max_new_tokens:
+            self.reason = "length"
+        return cut is not None or len(self.ids) >= cfg.max_new_tokens
+
+    def result(self) -> Generation:
+        return Generation(text=self.text, token_ids=list(self.ids), finish_reason=self.reason, stats=self.stats)
+
+
+class BatchedEngine:
+    """Generates many requests, up to `batch_size` at once, with continuous refill.
+
+        engine = BatchedEngine("bundles/smollm2", batch_size=4, drafter="ngram")
+        reqs = [BatchRequest(i, tuple(engine.encode(p)), GenerationConfig(max_new_tokens=64)) for i, p in enumerate(prompts)]
+        for req, result in engine.run(reqs):   # in finishing order; result is a Generation or a SpecdecError
+            ...
+    """
+
+    encode = Engine.encode  # needs only .codec and .manifest: one definition of how prompts become ids
+
+    def __init__(self, bundle: str | Path, batch_size: int, max_len: int | None = None,
+                 runtime: RuntimeOptions | None = None, drafter: str | None = None,
+                 verify_checksums: bool = True) -> None:
+        if batch_size < 1:
+            raise SpecdecError(f"batch size must be >= 1, got {batch_size}")
+        self.path = Path(bundle)
+        self.manifest: Manifest = read_manifest(self.path, verify_checksums=verify_checksums)
+        self.runtime = runtime or RuntimeOptions()
+        provider_list(self.runtime)
+        m = self.manifest
+        self.max_len = max_len or m.default_max_len
+        if not 0 < self.max_len <= m.model.max_position:
+            raise SpecdecError(f"--max-len {self.max_len} is outside 1..{m.model.max_position} (the model's positions)")
+        self.batch_size = batch_size
+        self.codec = TextCodec(self.path / m.tokenizer.file, m.tokenizer.chat_template, m.tokenizer.bos_token_id,
+                               m.tokenizer.eos_token_ids)
+        self.drafter_kind = drafter or m.drafter.kind
+        if self.drafter_kind not in BATCH_DRAFTERS:
+            raise SpecdecError(f"drafter {self.drafter_kind!r} is not supported with batch size > 1",
+                               f"choose {', '.join(BATCH_DRAFTERS)}, or batch size 1")
+        self.target = BatchedDecoder(self._decoder("target"))
+        self.draft_model: BatchedModelDrafter | None = None
+        if self.drafter_kind == "model":
+            if m.drafter.graph is None:
+                raise SpecdecError(f"bundle {self.path} has no draft model", "use --drafter ngram or none")
+            self.draft_model = BatchedModelDrafter(self._decoder(m.drafter.graph))
+        self._costs: tuple[list[float], float] | None = None
+
+    def _decoder(self, name: str) -> Decoder:
+        g = self.manifest.graphs[name]
+        kv = KVCache(g.n_layers, self.batch_size, g.model.n_kv_heads, self.max_len, g.model.head_dim,
+                     device=self.runtime.device, device_id=self.runtime.device_id)
+        return Decoder(self.path / g.file, g, g.model, kv, self.runtime)
+
+    # ------------------------------------------------------------------------------------------ policy
+
+    def _policy(self, cfg: GenerationConfig) -> DraftLenPolicy | None:
+        draft_len = self.manifest.drafter.draft_len if cfg.draft_len is None else cfg.draft_len
+        if self.drafter_kind == "none" or draft_len == 0:
+            return None
+        if draft_len != "auto":
+            return FixedDraftLen(draft_len)
+        if self._costs is None:
+            self._costs = self._measure_costs()
+        return AdaptiveDraftLen(verify_s=list(self._costs[0]), draft_s=self._costs[1])
+
+    def _measure_costs(self) -> tuple[list[float], float]:
+        """Seconds of a full-batch target step of each width 1..AUTO_K_MAX+1, and of one full-batch draft step.
+
+        Measured when the first request starts, before any row holds a sequence: all lengths are 0, so the
+        K/V written lie past every valid length (rollback is free).
+        """
+        kv = self.target.kv
+        widths = range(1, min(AUTO_K_MAX + 1, kv.max_len) + 1)
+        B = self.batch_size
+        verify = [median_seconds(lambda t=t: self.target.decoder.forward(np.zeros((B, t), dtype=np.int64)))
+                  for t in widths]
+        draft = 0.0
+        if self.draft_model is not None:
+            dec = self.draft_model.dec.decoder
+            draft = median_seconds(lambda: dec.forward(np.zeros((B, 1), dtype=np.int64)))
+        return verify, draft
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def run(self, requests: Iterable[BatchRequest]) -> Iterator[tuple[BatchRequest, Generation | SpecdecError]]:
+        """Yield (request, Generation) as rows finish, or (request, SpecdecError) for one that cannot run
+        (an empty or too long prompt). Rows are refilled from `requests` as they free up."""
+        queue = iter(requests)
+        B = self.batch_size
+        kv = self.target.kv
+        kv.reset()
+        if self.draft_model is not None:
+            self.draft_model.kv.reset()
+        rows: list[_Row | None] = [None] * B
+        eos = set(self.manifest.tokenizer.eos_token_ids)
+        exhausted = False
+        while True:
+            # Refill free rows; a request can also finish (or fail) at its prefill.
+            for r in range(B):
+                while rows[r] is None and not exhausted:
+                    req = next(queue, None)
+                    if req is None:
+                        exhausted = True
+                        break
+                    try:
+                        row = self._start(r, req, eos)
+                    except SpecdecError as e:
+                        yield req, e
+                        continue
+                    if row.done:
+                        yield req, row.result()
+                    else:
+                        rows[r] = row
+            active = [r for r in range(B) if rows[r] is not None]
+            if not active:
+                return
+            for r in self._round({r: rows[r] for r in active}):
+                row, rows[r] = rows[r], None
+                yield row.req, row.result()
+
+    def _start(self, r: int, req: BatchRequest, eos: set[int]) -> _Row:
+        prompt = list(req.prompt_ids)
+        if not prompt:
+            raise SpecdecError("the prompt is empty", "pass some text")
+        if len(prompt) >= self.max_len:
+            raise SpecdecError(f"the prompt has {len(prompt)} tokens but the KV buffer holds {self.max_len}",
+                               f"raise it with --max-len (the model allows up to {self.manifest.model.max_position})")
+        row = _Row(req, self.codec, eos)
+        row.policy = self._policy(req.cfg)
+        kv = self.target.kv
+        kv.lengths[r] = 0
+        t0 = time.perf_counter()
+        logits = self.target.prefill_row(r, prompt)  # [vocab]
+        token = select_token(logits, req.cfg.sampling, row.rng)
+        row.stats.prompt_tokens, row.stats.prefill_s = len(prompt), time.perf_counter() - t0
+        row.context, row.token = [*prompt, token], token
+        if row.policy is not None:
+            if self.drafter_kind == "ngram":
+                row.drafter = NgramDrafter(max_ngram=self.manifest.drafter.max_ngram)
+                row.drafter.begin(prompt, req.cfg.sampling, row.rng)
+            else:
+                self.draft_model.begin(r)
+        row.done = row.emit([token]) or kv.max_len - int(kv.lengths[r]) <= 0
+        row.t_decode = time.perf_counter()
+        return row
+
+    def _round(self, rows: dict[int, _Row]) -> list[int]:
+        """One draft / verify / accept round over the active rows; return the rows that finished."""
+        kv = self.target.kv
+        # GQA needs length + T <= max_len for every active row: the fullest row caps everyone's draft.
+        limit = min(min(kv.max_len - int(kv.lengths[r]) for r in rows) - 1, MAX_STEP - 1)
+        ks = {r: (row.policy.next_k(limit) if row.policy is not None else 0) for r, row in rows.items()}
+        if self.draft_model is not None:
+            want = {r: (rows[r].context, k, rows[r].cfg.sampling, rows[r].rng) for r, k in ks.items() if k > 0}
+            drafts = self.draft_model.propose(want) if want else {}
+        else:
+            drafts = {r: rows[r].drafter.propose(rows[r].context, k) for r, k in ks.items() if k > 0}
+        drafts = {r: drafts.get(r, NO_DRAFT) for r in rows}
+        logits = self.target.forward_rows({r: [rows[r].token, *map(int, drafts[r].tokens)] for r in rows})
+        finished = []
+        now = time.perf_counter()
+        for r, row in rows.items():
+            draft = drafts[r]
+            if row.cfg.sampling.greedy:
+                n_accepted, token = greedy_accept(draft.tokens, logits[r])
+            else:
+                p_target = probs_from_logits(logits[r], row.cfg.sampling)  # [k+1, vocab]
+                n_accepted, token = speculative_accept(draft.tokens, draft.p_draft, p_target, row.rng)
+            kv.lengths[r] += 1 + n_accepted
+            if ks[r] > 0:
+                if self.draft_model is not None:
+                    self.draft_model.accept(r, n_accepted)
+                row.policy.update(draft.k, n_accepted)
+            row.stats.record(draft.k, n_accepted)
+            new = [*map(int, draft.tokens[:n_accepted]), token]
+            row.context += new
+            row.token = token
+            row.stats.decode_s = now - row.t_decode
+            if row.emit(new) or kv.max_len - int(kv.lengths[r]) <= 0:
+                finished.append(r)
+        return finished
