@@ -55,8 +55,15 @@ from specdec.runtime.session import RuntimeOptions
 
 META_FORMAT = "specdec-batch"
 META_VERSION = 1
-# Chosen from bench/batch.py on the 2-core development CPU (see bench/README.md): see the report there.
-DEFAULT_BATCH_SIZE = 1
+# From bench/batch.py on the 2-core development CPU (SmolLM2-135M fp32, Spec-Bench, greedy, interleaved runs on
+# a shared machine, so +-30%): plain decoding at B=8 gave 2.4-5.7x the tokens/s of one request after another
+# (B=1), B=16 only 1.05-1.15x more than B=8 for twice the KV memory (8 rows x 2048 positions = 755 MB for
+# this model). With the draft length left to "auto" (DEFAULT_DRAFT_LEN), batched rows draft only when it pays.
+DEFAULT_BATCH_SIZE = 8
+# A fixed draft length is a poor default when batching on a CPU: a step of B rows x (1+k) positions is
+# compute-bound, so at B=8 a fixed k=4 made decoding 3-5x slower than plain batching (n-gram acceptance on
+# Spec-Bench ~0.3). "auto" times full-batch steps of each width once and picks one width per round.
+DEFAULT_DRAFT_LEN = "auto"
 
 SETTING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 INPUT_KEYS = ("id", "prompt", "messages") + SETTING_KEYS
@@ -201,7 +208,7 @@ def read_requests(path: Path, settings: JobSettings) -> tuple[list[Request], lis
 @contextlib.contextmanager
 def _hold_sigint() -> Iterator[None]:
     """Delay Ctrl-C until the block is done (a line is never half written because of it)."""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield
         return
     caught: list[Any] = []
@@ -242,6 +249,18 @@ class AppendLog:
                 what = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
                 raise SpecdecError(f"cannot write {self.path}: {what}; no partial line was left",
                                    "free some space and rerun the same command to resume") from None
+
+    def lock(self) -> None:
+        """Hold an exclusive advisory lock on the file until close (POSIX; a no-op where fcntl is missing)."""
+        try:
+            import fcntl
+        except ImportError:
+            return
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise SpecdecError(f"{self.path} is being written by another `specdec batch` run",
+                               "wait for it to finish (or stop it) before rerunning") from None
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -326,7 +345,7 @@ class BatchJob:
     errors_path: Path | None = None
     batch_size: int = DEFAULT_BATCH_SIZE
     drafter: str | None = None
-    draft_len: int | str | None = None
+    draft_len: int | str | None = DEFAULT_DRAFT_LEN  # None = the bundle's default
     max_new_tokens: int = 256
     max_len: int | None = None
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
@@ -340,6 +359,9 @@ class BatchJob:
             raise SpecdecError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.max_new_tokens <= 0:
             raise SpecdecError(f"--max-new-tokens must be > 0, got {self.max_new_tokens}")
+        if self.batch_size > 1 and self.drafter == "hybrid":
+            raise SpecdecError("drafter 'hybrid' is not supported with batch size > 1",
+                               "choose none, ngram or model, or --batch-size 1")
         paths = {"input": self.input, "output": self.output, "errors file": self.errors_path,
                  "meta file": meta_path(self.output)}
         resolved = {}
@@ -377,13 +399,14 @@ class BatchJob:
         elif self.output.exists() and self.output.stat().st_size > 0 and not self.force:
             raise SpecdecError(f"{self.output} exists but has no {mp.name}, so it was not written by `specdec batch`",
                                "write to a new output file, or pass --force to append to it")
-        if old is not None and not self.force:
+        has_records = self.output.exists() and self.output.stat().st_size > 0
+        if old is not None and not self.force and has_records:  # an empty output mixes nothing: take the new identity
             diff = _diff(old, ident)
             if diff:
                 raise SpecdecError(f"{self.output} was written with another bundle or settings ({diff})",
                                    "write to a new output file, rerun with the old settings, or pass --force to mix")
         meta = dict(ident, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), input=str(self.input))
-        if old is not None and _diff(old, ident):
+        if old is not None and _diff(old, ident) and has_records:
             meta["previous"] = [*old.get("previous", []), {k: v for k, v in old.items() if k != "previous"}]
         tmp = mp.with_name(mp.name + ".tmp")
         try:
@@ -406,12 +429,21 @@ class BatchJob:
         requests, bad = read_requests(self.input, settings)
         ident = self.identity(settings)
         self._check_identity(ident)
-        done, c.cut_partial = read_done(self.output, self.force)
+        out = AppendLog(self.output)
+        try:
+            out.lock()  # before reading what is done: two runs of one job would write ids twice
+            done, c.cut_partial = read_done(self.output, self.force)
+        except BaseException:
+            out.close()
+            raise
         c.total = len(requests)
         pending = [r for r in requests if r.key not in done]
         c.done_before = c.total - len(pending)
-        errors = AppendLog(self.errors_path, truncate=True)
-        out = AppendLog(self.output)
+        try:
+            errors = AppendLog(self.errors_path, truncate=True)
+        except BaseException:
+            out.close()
+            raise
         try:
             for e in bad:
                 errors.append(e)
@@ -427,7 +459,7 @@ class BatchJob:
                     finally:
                         c.errors = errors.appended
                     continue
-                rec = {"id": req.id, "text": result.text, "finish_reason": result.finish_reason,
+                rec = {"id": req.id, "text": self._text(result), "finish_reason": result.finish_reason,
                        "stats": result.stats.to_dict()}
                 try:
                     out.append(rec)
@@ -444,12 +476,24 @@ class BatchJob:
             errors.close()
         return c
 
+    def _text(self, g) -> str:
+        """The record's text: all of the generated tokens decoded (EOS left out), or the streamed text cut before
+        the stop string. The streamed text (Generation.text) holds back a piece that ends in an incomplete UTF-8
+        character until the next tokens complete it, and is never flushed when the generation ends, so its
+        last characters depend on how tokens were grouped into rounds, i.e. on the drafts; the record must not.
+        """
+        if g.finish_reason == "stop":
+            return g.text
+        eos = set(self._codec.eos_token_ids)
+        return self._codec.decode([t for t in g.token_ids if t not in eos])
+
     def _generate(self, pending: list[Request]) -> Iterator[tuple[Request, Any]]:
         """(request, Generation | SpecdecError) for every pending request, in finishing order."""
         if self.batch_size == 1:
             from specdec.runtime.engine import Engine
 
             engine = Engine(self.bundle, max_len=self.max_len, runtime=self.runtime, drafter=self.drafter)
+            self._codec = engine.codec
             for req in pending:
                 try:
                     yield req, engine.generate(req.prompt, req.cfg)
@@ -460,6 +504,7 @@ class BatchJob:
 
         engine = BatchedEngine(self.bundle, self.batch_size, max_len=self.max_len, runtime=self.runtime,
                                drafter=self.drafter)
+        self._codec = engine.codec
         failed: list[tuple[Request, SpecdecError]] = []
 
         def encoded() -> Iterator[BatchRequest]:

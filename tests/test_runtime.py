@@ -200,3 +200,12 @@ def test_hybrid_uses_lookup_where_the_text_repeats(engines):
     # Sampling through both drafters stays seeded and valid.
     cfg = GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(temperature=1.0), seed=3, draft_len=3)
     assert e.generate(prompt, cfg).token_ids == e.generate(prompt, cfg).token_ids
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+def test_text_equals_decoded_tokens(engines, drafter):
+    e = engines[drafter]
+    eos = set(e.manifest.tokenizer.eos_token_ids)
+    for prompt in PROMPTS:
+        g = e.generate(prompt, GenerationConfig(max_new_tokens=33, draft_len=3))
+        assert g.text == e.codec.decode([t for t in g.token_ids if t not in eos])

@@ -28,9 +28,14 @@ B-1 idle rows through the matmuls nor loads the weights twice. The same binding 
 one row is left. (On a GPU provider, where the KV has no host slab, the prefill runs through the batched
 graph with the other rows idle.)
 
-Drafters: "none" and "ngram" (one NgramDrafter per row; deterministic, so sampled rows are also exactly
-what the row gets alone with the same seed), "model" (the bundle's draft graph batched in the same way,
-one draft step for all rows at once, see BatchedModelDrafter).
+Drafters: "none" and "ngram" (one NgramDrafter per row; deterministic, so with a fixed draft length sampled
+rows are also exactly what the row gets alone with the same seed), "model" (the bundle's draft graph batched
+the same way, one draft step for all rows at once, see BatchedModelDrafter; the int8 draft's kernels differ
+between 1 and several rows, so its sampled drafts, not the target's distribution, differ from batch 1).
+"hybrid" is batch-1 only.
+
+Draft length: a fixed k per row, or "auto": one width per round for the whole batch (_auto_widths), since on
+a CPU a step of B rows x (1+k) positions is compute-bound and one row's long draft costs every row.
 """
 from __future__ import annotations
 
@@ -45,16 +50,17 @@ import onnxruntime as ort
 from specdec.errors import SpecdecError
 from specdec.runtime.acceptance import greedy_accept, speculative_accept
 from specdec.runtime.decoder import MAX_STEP, Decoder
-from specdec.runtime.draft_len import AdaptiveDraftLen, DraftLenPolicy, FixedDraftLen, median_seconds
+from specdec.runtime.draft_len import (ACCEPT_EMA, ACCEPT_PRIOR, AdaptiveDraftLen, DraftLenPolicy, FixedDraftLen,
+                                       median_seconds)
 from specdec.runtime.drafters.base import Draft
 from specdec.runtime.drafters.ngram import NgramDrafter
-from specdec.runtime.engine import AUTO_K_MAX, Engine, Generation, GenerationConfig
+from specdec.runtime.engine import AUTO_K_MAX, Engine, Generation, GenerationConfig, OutputText
 from specdec.runtime.kv import KVCache
 from specdec.runtime.manifest import Manifest, read_manifest
 from specdec.runtime.sampling import probs_from_logits, sample, select_token
 from specdec.runtime.session import RuntimeOptions, provider_list
 from specdec.runtime.speculative import NO_DRAFT, SpecStats
-from specdec.runtime.tokenizer import StreamDecoder, TextCodec
+from specdec.runtime.tokenizer import TextCodec
 
 BATCH_DRAFTERS = ("none", "ngram", "model")
 
@@ -69,8 +75,9 @@ class BatchRequest:
 class _RowBinding:
     """Batch-1 runs of one row of a batched decoder: the same session, the row's slice of the KV slab."""
 
-    def __init__(self, decoder: Decoder, row: int) -> None:
-        kv, model = decoder.kv, decoder.model
+    def __init__(self, decoder: Decoder, row: int, logits: np.ndarray, hidden: dict[int, np.ndarray]) -> None:
+        """`logits` [MAX_STEP*vocab] and `hidden` are shared by all rows' bindings (one runs at a time)."""
+        kv = decoder.kv
         self.decoder, self.row = decoder, row
         self.binding = decoder.session.io_binding()
         for i in range(kv.n_layers):
@@ -78,15 +85,15 @@ class _RowBinding:
                 view = ort.OrtValue.ortvalue_from_numpy(kv.slab[i, j, row:row + 1])  # [1,KV,M,H], contiguous
                 self.binding.bind_ortvalue_input(f"past.{i}.{kind}", view)
                 self.binding.bind_ortvalue_output(f"present.{i}.{kind}", view)
-        self._logits = np.empty(MAX_STEP * model.vocab_size, dtype=np.float32)
-        self._hidden = {t: np.empty(MAX_STEP * model.hidden_size, dtype=np.float32) for t in decoder.spec.hidden_layers}
+        self._logits, self._hidden = logits, hidden
         self._views: dict[int, list[tuple[str, np.ndarray, ort.OrtValue]]] = {}
 
     def _outputs(self, T: int) -> list[tuple[str, np.ndarray, ort.OrtValue]]:
         if T not in self._views:
             m = self.decoder.model
             views = [("logits", self._logits[: T * m.vocab_size].reshape(1, T, m.vocab_size))]
-            views += [(f"hidden.{t}", b[: T * m.hidden_size].reshape(1, T, m.hidden_size)) for t, b in self._hidden.items()]
+            views += [(f"hidden.{t}", b[: T * m.hidden_size].reshape(1, T, m.hidden_size))
+                      for t, b in self._hidden.items()]
             self._views[T] = [(n, v, ort.OrtValue.ortvalue_from_numpy(v)) for n, v in views]
         return self._views[T]
 
@@ -114,7 +121,14 @@ class BatchedDecoder:
     def __init__(self, decoder: Decoder) -> None:
         self.decoder, self.kv = decoder, decoder.kv
         self.B = decoder.kv.batch
-        self.rows = [_RowBinding(decoder, r) for r in range(self.B)] if decoder.kv.slab is not None else None
+        self.rows = None
+        if decoder.kv.slab is not None:
+            m = decoder.model
+            out_types = {o.name: o.type for o in decoder.session.get_outputs()}
+            dtype = np.float16 if out_types.get("logits") == "tensor(float16)" else np.float32
+            logits = np.empty(MAX_STEP * m.vocab_size, dtype=dtype)
+            hidden = {t: np.empty(MAX_STEP * m.hidden_size, dtype=np.float32) for t in decoder.spec.hidden_layers}
+            self.rows = [_RowBinding(decoder, r, logits, hidden) for r in range(self.B)]
 
     def forward_rows(self, inputs: dict[int, Sequence[int]]) -> dict[int, np.ndarray]:
         """Run each row's tokens at its length (rows not in `inputs` idle); return each row's logits [q_b, vocab].
@@ -125,7 +139,7 @@ class BatchedDecoder:
             (r, toks), = inputs.items()
             return {r: self.rows[r].forward(toks)}
         T = max(len(t) for t in inputs.values())
-        if any(int(self.kv.lengths[r]) + T > self.kv.max_len for r in inputs):
+        if len(inputs) > 1 and any(int(self.kv.lengths[r]) + T > self.kv.max_len for r in inputs):
             # The padded width must fit every active row (GQA); near the end of the buffer run rows one by one.
             return {r: self.forward_rows({r: toks})[r].copy() for r, toks in inputs.items()}
         tokens = np.zeros((self.B, T), dtype=np.int64)  # [B,T]
@@ -221,17 +235,13 @@ class BatchedModelDrafter:
 
 
 class _Row:
-    """One sequence in flight: its request, drafter, policy, rng, text and stats."""
+    """One sequence in flight: its request, drafter, policy, rng, output text and stats."""
 
     def __init__(self, req: BatchRequest, codec: TextCodec, eos: set[int]) -> None:
         self.req, self.cfg = req, req.cfg
         self.rng = np.random.default_rng(req.cfg.seed)
         self.stats = SpecStats()
-        self.eos = eos
-        self.out = StreamDecoder(codec)
-        self.ids: list[int] = []
-        self.text = ""
-        self.reason = "kv_full"
+        self.out = OutputText(codec, eos, req.cfg)
         self.context: list[int] = []
         self.token = -1  # the last emitted token: the next round's first input, not yet in the KV
         self.drafter: NgramDrafter | None = None
@@ -240,32 +250,23 @@ class _Row:
         self.done = False
 
     def emit(self, tokens: list[int]) -> bool:
-        """Take one round's tokens exactly as Engine.stream_ids + Engine.stream do; True when finished."""
-        cfg = self.cfg
-        cut = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), None)
-        tokens = tokens[:cut][: cfg.max_new_tokens - len(self.ids)]
-        self.ids += tokens
-        self.stats.new_tokens = len(self.ids)
-        self.text += self.out.push([t for t in tokens if t not in self.eos])
-        hit = next((s for s in cfg.stop if s in self.text), None)
-        if hit is not None:
-            self.text, self.reason = self.text[:self.text.index(hit)], "stop"
-            return True
-        if tokens and tokens[-1] in self.eos:
-            self.reason = "eos"
-        elif len(self.ids) >= cfg.max_new_tokens:
-            self.reason = "length"
-        return cut is not None or len(self.ids) >= cfg.max_new_tokens
+        """Take one round's tokens exactly as Engine.stream does; True when finished."""
+        self.out.push(tokens)
+        self.stats.new_tokens = len(self.out.ids)
+        return self.out.done
 
     def result(self) -> Generation:
-        return Generation(text=self.text, token_ids=list(self.ids), finish_reason=self.reason, stats=self.stats)
+        if not self.out.done:
+            self.out.finish()  # ended by a full KV buffer
+        return self.out.result(self.stats)
 
 
 class BatchedEngine:
     """Generates many requests, up to `batch_size` at once, with continuous refill.
 
         engine = BatchedEngine("bundles/smollm2", batch_size=4, drafter="ngram")
-        reqs = [BatchRequest(i, tuple(engine.encode(p)), GenerationConfig(max_new_tokens=64)) for i, p in enumerate(prompts)]
+        cfg = GenerationConfig(max_new_tokens=64)
+        reqs = [BatchRequest(i, tuple(engine.encode(p)), cfg) for i, p in enumerate(prompts)]
         for req, result in engine.run(reqs):   # in finishing order; result is a Generation or a SpecdecError
             ...
     """
@@ -298,7 +299,8 @@ class BatchedEngine:
             if m.drafter.graph is None:
                 raise SpecdecError(f"bundle {self.path} has no draft model", "use --drafter ngram or none")
             self.draft_model = BatchedModelDrafter(self._decoder(m.drafter.graph))
-        self._costs: tuple[list[float], float] | None = None
+        # (target step seconds by width 1..k_max+1, draft step seconds at width 1, at width 2), full batch
+        self._costs: tuple[list[float], float, float] | None = None
 
     def _decoder(self, name: str) -> Decoder:
         g = self.manifest.graphs[name]
@@ -318,22 +320,33 @@ class BatchedEngine:
             self._costs = self._measure_costs()
         return AdaptiveDraftLen(verify_s=list(self._costs[0]), draft_s=self._costs[1])
 
-    def _measure_costs(self) -> tuple[list[float], float]:
-        """Seconds of a full-batch target step of each width 1..AUTO_K_MAX+1, and of one full-batch draft step.
+    def _measure_costs(self) -> tuple[list[float], float, float]:
+        """Seconds of a full-batch target step of each width 1..AUTO_K_MAX+1, and of a full-batch draft step of
+        width 1 and 2 (a round's first draft step feeds 2 tokens per row after a fully accepted round).
 
-        Measured when the first request starts, before any row holds a sequence: all lengths are 0, so the
-        K/V written lie past every valid length (rollback is free).
+        Measured when the first "auto" request starts (usually before any row holds a sequence). The K/V
+        written lie past every row's valid length, so nothing is lost (rollback is free).
         """
         kv = self.target.kv
-        widths = range(1, min(AUTO_K_MAX + 1, kv.max_len) + 1)
+        room = kv.max_len - int(kv.lengths.max())
+        if self.draft_model is not None:
+            room = min(room, kv.max_len - int(self.draft_model.kv.lengths.max()))
+        n = max(min(AUTO_K_MAX + 1, room), 2)
         B = self.batch_size
-        verify = [median_seconds(lambda t=t: self.target.decoder.forward(np.zeros((B, t), dtype=np.int64)))
-                  for t in widths]
-        draft = 0.0
+        # A full-batch step of width 9 is B*9 positions (compute-bound): time a few widths, interpolate the rest.
+        timed = sorted({t for t in (1, 2, 3, 5, n) if t <= n})
+        steps = {t: (lambda t=t: self.target.decoder.forward(np.zeros((B, t), dtype=np.int64))) for t in timed}
+        for step in steps.values():  # the first runs of a new session are slow (allocation, page faults): warm all
+            step()
+        cost = [median_seconds(steps[t]) for t in timed]
+        verify = [float(v) for v in np.interp(np.arange(1, n + 1), timed, cost)]
+        draft1 = draft2 = 0.0
         if self.draft_model is not None:
             dec = self.draft_model.dec.decoder
-            draft = median_seconds(lambda: dec.forward(np.zeros((B, 1), dtype=np.int64)))
-        return verify, draft
+            dec.forward(np.zeros((B, 2), dtype=np.int64))
+            draft1 = median_seconds(lambda: dec.forward(np.zeros((B, 1), dtype=np.int64)))
+            draft2 = median_seconds(lambda: dec.forward(np.zeros((B, 2), dtype=np.int64)))
+        return verify, draft1, draft2
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -399,17 +412,56 @@ class BatchedEngine:
         row.t_decode = time.perf_counter()
         return row
 
+    def _auto_widths(self, rows: dict[int, _Row], limit: int, drafts: dict[int, Draft]) -> dict[int, int]:
+        """draft_len "auto" for a batch: one draft count m for the round, maximising the batch's expected tokens
+        per second, sum over rows of (1 - a_r^(m_r+1)) / (1 - a_r), over the measured cost of a full-batch step
+        of width m+1 plus m full-batch draft steps (the first at width 2). The width is shared: one row drafting 8 makes every row pay for 9
+        positions, which is why rows cannot choose alone as they do at batch 1. a_r is each row's running
+        acceptance (its AdaptiveDraftLen). n-gram rows look up first (free) so that m_r = min(m, what the
+        lookup found); their drafts, cut to m_r, are put in `drafts`. Returns each row's draft count.
+        """
+        verify_s, draft1_s, draft2_s = self._costs
+        k_max = min(len(verify_s) - 1, limit)
+        found = {r: k_max for r in rows}
+        if self.draft_model is None:
+            looked = {r: row.drafter.propose(row.context, k_max) for r, row in rows.items()}
+            found = {r: d.k for r, d in looked.items()}
+
+        def cost(m: int) -> float:  # the first draft step is charged at width 2 (see _measure_costs)
+            return verify_s[m] + (draft2_s + (m - 1) * draft1_s if m > 0 else 0.0)
+
+        def tokens(a: float, m: int) -> float:
+            a = min(a, 0.999)
+            return (1 - a ** (m + 1)) / (1 - a)
+
+        best = max(range(k_max + 1), key=lambda m: sum(tokens(row.policy.acceptance, min(m, found[r]))
+                                                       for r, row in rows.items()) / cost(m))
+        ks = {r: min(best, found[r]) for r in rows}
+        for r, row in rows.items():
+            if ks[r] == 0 and found[r] > 0:  # written off this round: drift back toward the prior (see draft_len.py)
+                row.policy.acceptance += ACCEPT_EMA * (ACCEPT_PRIOR - row.policy.acceptance)
+            if self.draft_model is None and ks[r] > 0:
+                d = looked[r]
+                drafts[r] = Draft(tokens=d.tokens[:ks[r]], p_draft=None if d.p_draft is None else d.p_draft[:ks[r]])
+        return ks
+
     def _round(self, rows: dict[int, _Row]) -> list[int]:
         """One draft / verify / accept round over the active rows; return the rows that finished."""
         kv = self.target.kv
         # GQA needs length + T <= max_len for every active row: the fullest row caps everyone's draft.
         limit = min(min(kv.max_len - int(kv.lengths[r]) for r in rows) - 1, MAX_STEP - 1)
-        ks = {r: (row.policy.next_k(limit) if row.policy is not None else 0) for r, row in rows.items()}
+        auto = {r for r, row in rows.items() if isinstance(row.policy, AdaptiveDraftLen)}
+        ks = {r: (row.policy.next_k(limit) if row.policy is not None and r not in auto else 0)
+              for r, row in rows.items()}
+        drafts: dict[int, Draft] = {}
+        if auto:
+            ks.update(self._auto_widths({r: rows[r] for r in auto}, limit, drafts))
         if self.draft_model is not None:
             want = {r: (rows[r].context, k, rows[r].cfg.sampling, rows[r].rng) for r, k in ks.items() if k > 0}
             drafts = self.draft_model.propose(want) if want else {}
         else:
-            drafts = {r: rows[r].drafter.propose(rows[r].context, k) for r, k in ks.items() if k > 0}
+            drafts.update({r: rows[r].drafter.propose(rows[r].context, k) for r, k in ks.items()
+                           if k > 0 and r not in drafts})
         drafts = {r: drafts.get(r, NO_DRAFT) for r in rows}
         logits = self.target.forward_rows({r: [rows[r].token, *map(int, drafts[r].tokens)] for r in rows})
         finished = []

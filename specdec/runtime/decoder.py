@@ -70,7 +70,6 @@ class Decoder:
             self._logits = np.empty(B * MAX_STEP * model.vocab_size, dtype=self._logits_dtype)
         self._hidden = {t: np.empty(B * MAX_STEP * model.hidden_size, dtype=np.float32) for t in spec.hidden_layers}
         self._out_views: dict[int, list[tuple[str, np.ndarray, ort.OrtValue]]] = {}
-        self._control: dict[int, dict[str, np.ndarray]] = {}
 
     def _outputs_for(self, T: int) -> list[tuple[str, np.ndarray, ort.OrtValue]]:
         if T not in self._out_views:

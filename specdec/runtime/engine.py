@@ -62,6 +62,52 @@ class Generation:
     stats: SpecStats
 
 
+class OutputText:
+    """Accepted token chunks -> streamed text, cut at EOS, the token budget and stop strings.
+
+    One definition of when a generation ends and what its text is, shared by Engine and BatchedEngine.
+    """
+
+    def __init__(self, codec: TextCodec, eos: set[int], cfg: GenerationConfig) -> None:
+        self.cfg, self.eos = cfg, eos
+        self.stream = StreamDecoder(codec)
+        self.ids: list[int] = []
+        self.text = ""
+        self.reason = "kv_full"  # until something else ends it, only a full KV buffer can
+        self.done = False
+
+    def push(self, tokens: Sequence[int]) -> str:
+        """Take one round's tokens; return the new text (possibly ""). Sets `done` when the generation ends."""
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), None)
+        tokens = list(tokens[:cut][: self.cfg.max_new_tokens - len(self.ids)])
+        self.ids += tokens
+        piece = self.stream.push([t for t in tokens if t not in self.eos])
+        already = len(self.text)
+        self.text += piece
+        # A stop string can only end inside the new piece: search from where it could start.
+        window = max(0, already - max((len(s) for s in self.cfg.stop), default=0))
+        hit = next((s for s in self.cfg.stop if s in self.text[window:]), None)
+        if hit is not None:
+            self.text, self.reason, self.done = self.text[:self.text.index(hit, window)], "stop", True
+            return self.text[already:]
+        if cut is not None:
+            self.reason, self.done = "eos", True
+        elif len(self.ids) >= self.cfg.max_new_tokens:
+            self.reason, self.done = "length", True
+        if self.done:
+            piece += self.finish()
+        return piece
+
+    def finish(self) -> str:
+        """Flush text held back for an incomplete character (not after a stop string: that text is cut)."""
+        tail = "" if self.reason == "stop" else self.stream.flush()
+        self.text += tail
+        return tail
+
+    def result(self, stats: SpecStats) -> Generation:
+        return Generation(text=self.text, token_ids=list(self.ids), finish_reason=self.reason, stats=stats)
+
+
 class Engine:
     def __init__(self, bundle: str | Path, max_len: int | None = None, runtime: RuntimeOptions | None = None,
                  drafter: str | None = None, verify_checksums: bool = True) -> None:
@@ -212,31 +258,18 @@ class Engine:
     def stream(self, prompt: Prompt, cfg: GenerationConfig | None = None) -> Iterator[str]:
         """Yield text pieces; the finished Generation is in `last_generation`."""
         cfg = cfg or GenerationConfig()
-        prompt_ids = self.encode(prompt, cfg.chat)
-        eos = set(self.manifest.tokenizer.eos_token_ids)
-        out = StreamDecoder(self.codec)
-        ids: list[int] = []
-        text = ""
-        reason = "kv_full"
-        for tokens in self.stream_ids(prompt_ids, cfg):
-            ids += tokens
-            piece = out.push([t for t in tokens if t not in eos])
-            text += piece
-            hit = next((s for s in cfg.stop if s in text), None)
-            if hit is not None:
-                emit_upto = text.index(hit)
-                already = len(text) - len(piece)
-                if emit_upto > already:
-                    yield text[already:emit_upto]
-                text, reason = text[:emit_upto], "stop"
-                break
+        out = OutputText(self.codec, set(self.manifest.tokenizer.eos_token_ids), cfg)
+        for tokens in self.stream_ids(self.encode(prompt, cfg.chat), cfg):
+            piece = out.push(tokens)
             if piece:
                 yield piece
-            if tokens and tokens[-1] in eos:
-                reason = "eos"
-            elif len(ids) >= cfg.max_new_tokens:
-                reason = "length"
-        self.last_generation = Generation(text=text, token_ids=ids, finish_reason=reason, stats=self.last_stats)
+            if out.done:
+                break
+        else:
+            tail = out.finish()  # the KV filled up: flush what was held back
+            if tail:
+                yield tail
+        self.last_generation = out.result(self.last_stats)
 
     def generate(self, prompt: Prompt, cfg: GenerationConfig | None = None) -> Generation:
         for _ in self.stream(prompt, cfg):

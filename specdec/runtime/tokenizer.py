@@ -81,3 +81,10 @@ class StreamDecoder:
             self.prefix, self.read = self.read, len(self.ids)
             return text[len(done):]
         return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end of generation (e.g. a byte-fallback token pair cut short)."""
+        done = self.codec.decode(self.ids[self.prefix:self.read])
+        text = self.codec.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(done):]
