@@ -69,7 +69,7 @@ def genai_forward_ms(model_dir: Path, threads: int) -> dict:
 
     cfg = json.loads((model_dir / "genai_config.json").read_text())["model"]
     so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
+    so.use_per_session_threads = False  # the same global pool of `threads` that specdec's session used
     sess = ort.InferenceSession(str(model_dir / "model.onnx"), so, providers=["CPUExecutionProvider"])
     n_layers = cfg["decoder"]["num_hidden_layers"]
     kv_heads, head = cfg["decoder"]["num_key_value_heads"], cfg["decoder"]["head_size"]

@@ -209,3 +209,15 @@ def test_text_equals_decoded_tokens(engines, drafter):
     for prompt in PROMPTS:
         g = e.generate(prompt, GenerationConfig(max_new_tokens=33, draft_len=3))
         assert g.text == e.codec.decode([t for t in g.token_ids if t not in eos])
+
+
+def test_adaptive_policy_probes_when_it_stops_drafting():
+    from specdec.runtime.draft_len import PROBE_EVERY, AdaptiveDraftLen
+
+    steep = [0.010 * t for t in range(1, 10)]
+    p = AdaptiveDraftLen(verify_s=steep, draft_s=0.004, acceptance=0.5)
+    ks = [p.next_k(8) for _ in range(PROBE_EVERY)]
+    assert ks[:-1] == [0] * (PROBE_EVERY - 1) and ks[-1] == 1
+    for _ in range(30):  # probes that succeed raise the estimate the next choice is made from
+        p.update(1, 1)
+    assert p.acceptance > 0.9

@@ -16,6 +16,10 @@ from typing import Callable, Protocol
 ACCEPT_EMA = 0.1
 # Prior acceptance before any round is seen: the middle of what drafters reach on chat text.
 ACCEPT_PRIOR = 0.6
+# While the policy thinks drafting does not pay, it still drafts one token every this many rounds:
+# not drafting teaches nothing about acceptance, and a drafter written off on a poor prior or one
+# hard passage would otherwise never be tried again.
+PROBE_EVERY = 8
 # Timing repetitions per step width at calibration; the median of 3 is robust to one scheduler hiccup.
 CALIBRATION_REPS = 3
 
@@ -49,6 +53,7 @@ class AdaptiveDraftLen:
     draft_s: float  # seconds per drafted token
     acceptance: float = ACCEPT_PRIOR
     history: list[int] = field(default_factory=list)  # chosen k per round, for stats
+    _idle_rounds: int = 0
 
     def __post_init__(self) -> None:
         if len(self.verify_s) < 2:
@@ -65,10 +70,9 @@ class AdaptiveDraftLen:
 
     def next_k(self, limit: int) -> int:
         k = max(range(min(self.k_max, limit) + 1), key=self.expected_rate)
-        if k == 0:
-            # Not drafting teaches nothing about acceptance; drift back toward the prior so that a
-            # drafter written off during one passage gets tried again later.
-            self.acceptance += ACCEPT_EMA * (ACCEPT_PRIOR - self.acceptance)
+        self._idle_rounds = self._idle_rounds + 1 if k == 0 else 0
+        if self._idle_rounds >= PROBE_EVERY and limit > 0:
+            k, self._idle_rounds = 1, 0
         self.history.append(k)
         return k
 
