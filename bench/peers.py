@@ -1,32 +1,38 @@
 #!/usr/bin/env python
 """Peer runtimes side by side: the same prompt token ids, the same token budget, greedy.
 
-Peers (each runs in its own subprocess, so its peak RSS is its own):
+Peers (each in its own worker process, so its peak RSS is its own):
 
   hf                 Hugging Face transformers `generate`, fp32 torch, plain greedy
   hf-lookup          the same with `prompt_lookup_num_tokens=K` (its n-gram speculation)
   llamacpp           llama.cpp (llama-cpp-python) on the default GGUF (Q4_1), greedy
   llamacpp-lookup    the same with `LlamaPromptLookupDecoding` as draft model
-  genai              onnxruntime-genai Generator on the genai-builder model, fp32
+  genai              onnxruntime-genai Generator on its model builder's fp32 model, greedy
   genai-lookup       the same with its n-gram speculation (`set_speculative_options`)
-  genai-int4         onnxruntime-genai, int4 model from the same builder
+  genai-int4         onnxruntime-genai, the builder's int4 model, greedy
   genai-int4-lookup  the same with n-gram speculation
 
 Every peer gets the token ids of the model's chat template (add_generation_prompt=True)
-applied to a Spec-Bench question's first turn, computed once here; nobody re-tokenizes.
-Generation is greedy, stops at EOS or after --max-new-tokens, with 2 threads everywhere.
+applied to a Spec-Bench question's first turn, computed once here; no peer tokenizes text.
+Generation is greedy and stops at EOS or after --max-new-tokens; 2 threads everywhere.
+
+All workers are loaded first (one after the other, so load times are clean), warmed up
+with one untimed generation, then fed the prompts. With `--schedule interleaved` (default)
+prompt k goes to every peer before prompt k+1, the peer order rotating, so background load
+on a shared machine falls on all peers alike; `sequential` runs one peer at a time.
 
 Timing per prompt: `total_s` is the wall time of one whole generation (prefill + decode,
-from handing over the ids to the last token); `ttft_s` the time to the first new token.
-Aggregates: `tok_s` = total new tokens / total time, `decode_tok_s` = tokens after the
-first / time after the first token (prefill excluded). One warm-up generation per peer is
-run first and not counted.
+from handing over the ids to the last token), `ttft_s` the time to the first new token,
+`cpu_s` the worker's CPU time for it, `others_cores` the CPU cores other processes kept
+busy meanwhile. Aggregates: `tok_s` = new tokens / total time, `decode_tok_s` = tokens
+after the first / time after the first token (prefill excluded).
 
-    .venv/bin/python bench/peers.py --limit 1 --max-new-tokens 128 \
-        --peers hf,hf-lookup,llamacpp,llamacpp-lookup,genai,genai-lookup \
-        --out bench/results/peers.json
+    .venv/bin/python bench/peers.py --limit 1 --max-new-tokens 128 \\
+        --peers hf,hf-lookup,llamacpp,llamacpp-lookup,genai,genai-lookup \\
+        --out bench/results/peers.json --table
 
-A peer that cannot be imported, built or run is reported as unavailable with the reason.
+A peer that cannot be imported, built or run is reported as unavailable/failed with the
+reason; the run goes on with the others.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import queue
 import signal
 import subprocess
 import sys
@@ -46,9 +53,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for p in (str(HERE), str(REPO)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+for _p in (str(HERE), str(REPO)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 from prompts import load_spec_bench  # noqa: E402
 
@@ -76,24 +83,14 @@ DEFAULT_PEERS = "hf,hf-lookup,llamacpp,llamacpp-lookup,genai,genai-lookup,genai-
 
 
 # --------------------------------------------------------------------------------------------
-# Workers: run inside the peer's own subprocess. Each writes JSON lines to `out`:
-#   {"event": "loaded", ...}, then {"event": "prompt", ...} per prompt, then {"event": "done"}.
+# Measurements shared by parent and workers
 # --------------------------------------------------------------------------------------------
-
-class _Out:
-    def __init__(self, path: str) -> None:
-        self.f = open(path, "a", encoding="utf-8")
-
-    def write(self, **obj) -> None:
-        self.f.write(json.dumps(obj) + "\n")
-        self.f.flush()
-
 
 def _hwm_mb(pid: int | str = "self") -> float | None:
     """Peak resident set size (VmHWM) of a process, in MiB.
 
-    Not getrusage's ru_maxrss: that one keeps the high-water mark of the process image before
-    exec, i.e. the parent's RSS at fork time, so a child forked from a parent holding a
+    Not getrusage's ru_maxrss: that keeps the high-water mark of the process image before
+    exec, i.e. the parent's RSS at fork time, so a worker forked from a parent holding a
     tokenizer would report the parent's memory. VmHWM belongs to the current address space.
     """
     try:
@@ -106,18 +103,41 @@ def _hwm_mb(pid: int | str = "self") -> float | None:
     return None
 
 
-def _self_rss_mb() -> float | None:
-    return _hwm_mb("self")
+def _cpu_busy_s() -> float | None:
+    """CPU seconds spent by all processes on the machine since boot (/proc/stat)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = (fields + [0] * 7)[:7]
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
-def _run_prompts(spec: dict, out: _Out, generate) -> None:
-    """`generate(ids, max_new) -> (new_ids, ttft_s, total_s, extra)`; a warm-up run first."""
-    generate(spec["warmup_ids"], min(8, spec["max_new_tokens"]))
-    for p in spec["prompts"]:
-        new_ids, ttft, total, extra = generate(p["ids"], spec["max_new_tokens"])
-        out.write(event="prompt", id=p["id"], new_ids=[int(t) for t in new_ids], ttft_s=ttft,
-                  total_s=total, extra=extra, rss_mb=_self_rss_mb())
+def _own_cpu_s() -> float:
+    import resource
 
+    r = resource.getrusage(resource.RUSAGE_SELF)  # all threads of this process
+    return r.ru_utime + r.ru_stime
+
+
+def _wait_for_idle(max_wait_s: float, max_other_cores: float, window_s: float = 1.0) -> float:
+    """Wait, at most max_wait_s, until the machine's CPU use over window_s stays under
+    max_other_cores (call it while idle yourself). Returns the seconds waited."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < max_wait_s:
+        a = _cpu_busy_s()
+        time.sleep(window_s)
+        b = _cpu_busy_s()
+        if a is None or b is None or (b - a) / window_s < max_other_cores:
+            break
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------------
+# Workers. A loader returns (generate, info); generate(ids, max_new) returns
+# (new_ids, ttft_s, total_s, extra). The worker then serves JSON-line commands on stdin.
+# --------------------------------------------------------------------------------------------
 
 def _cut_at_eos(ids: list[int], eos: set[int], max_new: int) -> list[int]:
     ids = list(ids)[:max_new]
@@ -127,7 +147,7 @@ def _cut_at_eos(ids: list[int], eos: set[int], max_new: int) -> list[int]:
     return ids
 
 
-def worker_hf(spec: dict, out: _Out) -> None:
+def load_hf(spec: dict):
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -148,8 +168,7 @@ def worker_hf(spec: dict, out: _Out) -> None:
     kwargs = dict(do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None,
                   eos_token_id=eos, pad_token_id=eos[0])
     if spec["lookup"]:
-        kwargs.update(prompt_lookup_num_tokens=spec["lookup_k"],
-                      max_matching_ngram_size=spec["ngram"])
+        kwargs.update(prompt_lookup_num_tokens=spec["lookup_k"], max_matching_ngram_size=spec["ngram"])
 
     class FirstToken(BaseStreamer):
         def __init__(self, t0: float) -> None:
@@ -157,7 +176,7 @@ def worker_hf(spec: dict, out: _Out) -> None:
 
         def put(self, value) -> None:
             self.calls += 1  # the first call carries the prompt
-            if self.calls == 2 and self.ttft is None:
+            if self.calls == 2:
                 self.ttft = time.perf_counter() - self.t0
 
         def end(self) -> None:
@@ -172,22 +191,21 @@ def worker_hf(spec: dict, out: _Out) -> None:
             y = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=max_new,
                                streamer=streamer, **kwargs)
         total = time.perf_counter() - t0
-        new = _cut_at_eos(y[0, len(ids):].tolist(), set(eos), max_new)
-        return new, streamer.ttft, total, {}
+        return _cut_at_eos(y[0, len(ids):].tolist(), set(eos), max_new), streamer.ttft, total, {}
 
-    out.write(event="loaded", load_s=load_s, rss_after_load_mb=_self_rss_mb(),
-              versions={"torch": torch.__version__, "transformers": transformers.__version__},
-              settings={k: v for k, v in kwargs.items() if v is not None} | {"threads": spec["threads"]})
-    _run_prompts(spec, out, generate)
+    settings = {k: v for k, v in kwargs.items() if v is not None}
+    settings.update(torch_threads=torch.get_num_threads(), weights="fp32 (GGUF dequantized)")
+    return generate, {"load_s": load_s, "settings": settings,
+                      "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
 
 
-def _patch_llama_no_extra_bufts():
+def _patch_llama_no_extra_bufts() -> None:
     """Make every llama model load with `use_extra_bufts = False`.
 
     The source-built llama.cpp segfaults in its AMX matmul path (an "extra" CPU buffer type)
-    on the first decode on this CPU. `Llama.__init__` takes its model params from
-    `llama_cpp.llama_cpp.llama_model_default_params()`, so wrapping that function switches the
-    extra buffer types off without rebuilding the library.
+    on the first decode on CPUs with AMX. `Llama.__init__` takes its model params from
+    `llama_cpp.llama_cpp.llama_model_default_params()` (called through the module), so wrapping
+    that function switches the extra buffer types off without rebuilding the library.
     """
     import llama_cpp.llama_cpp as C
 
@@ -204,15 +222,9 @@ def _patch_llama_no_extra_bufts():
 
     patched._specdec_patched = True
     C.llama_model_default_params = patched
-    import llama_cpp.llama as L
-
-    if getattr(L, "llama_cpp", None) is C:
-        pass  # llama.py calls through the module object, which now holds the patch
-    elif hasattr(L, "llama_model_default_params"):
-        L.llama_model_default_params = patched
 
 
-def worker_llamacpp(spec: dict, out: _Out) -> None:
+def load_llamacpp(spec: dict):
     import llama_cpp
 
     _patch_llama_no_extra_bufts()
@@ -220,19 +232,24 @@ def worker_llamacpp(spec: dict, out: _Out) -> None:
 
     draft = None
     settings = {"n_threads": spec["threads"], "n_threads_batch": spec["threads"],
-                "use_extra_bufts": False, "sampler": "greedy (temp=0)"}
+                "use_extra_bufts": False, "sampler": "greedy (temp=0)", "weights": "Q4_1 GGUF"}
     if spec["lookup"]:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(max_ngram_size=spec["ngram"], num_pred_tokens=spec["lookup_k"])
         settings.update(draft="LlamaPromptLookupDecoding", max_ngram_size=spec["ngram"],
                         num_pred_tokens=spec["lookup_k"])
-    n_ctx = max(len(p["ids"]) for p in spec["prompts"]) + spec["max_new_tokens"] + 64
-    n_ctx = max(n_ctx, len(spec["warmup_ids"]) + 72, 512)
+    n_ctx = max([len(p["ids"]) for p in spec["prompts"]] + [len(spec["warmup_ids"])])
+    n_ctx = max(n_ctx + spec["max_new_tokens"] + 64, 512)
+    settings["n_ctx"] = n_ctx
     t0 = time.perf_counter()
     llm = Llama(model_path=spec["gguf"], n_ctx=n_ctx, n_batch=512, n_ubatch=512,
                 n_threads=spec["threads"], n_threads_batch=spec["threads"], seed=0,
-                draft_model=draft, verbose=False)
+                draft_model=draft, verbose=False,
+                # With a draft model llama-cpp-python keeps logits of every position, but it sizes
+                # its score buffer from this argument: left False, the buffer has n_batch rows and
+                # any prompt longer than n_batch fails ("could not broadcast ... into shape (0,)").
+                logits_all=draft is not None)
     load_s = time.perf_counter() - t0
     eos = set(spec["eos_ids"])
 
@@ -249,15 +266,18 @@ def worker_llamacpp(spec: dict, out: _Out) -> None:
             new.append(int(tok))
             if tok in eos or len(new) >= max_new:
                 break
-        total = time.perf_counter() - t0
-        return new, ttft, total, {}
+        return new, ttft, time.perf_counter() - t0, {}
 
-    out.write(event="loaded", load_s=load_s, rss_after_load_mb=_self_rss_mb(),
-              versions={"llama_cpp_python": llama_cpp.__version__}, settings=settings | {"n_ctx": n_ctx})
-    _run_prompts(spec, out, generate)
+    return generate, {"load_s": load_s, "settings": settings,
+                      "versions": {"llama_cpp_python": llama_cpp.__version__}}
 
 
-def worker_genai(spec: dict, out: _Out) -> None:
+_GENAI_STATS = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes",
+                "acceptance_rate", "mean_emitted_tokens_per_round", "ngram_lookup_hits",
+                "ngram_lookup_misses", "standard_fallback_steps")
+
+
+def load_genai(spec: dict):
     import onnxruntime_genai as og
 
     threads = spec["threads"]
@@ -274,7 +294,7 @@ def worker_genai(spec: dict, out: _Out) -> None:
     if spec["lookup"]:
         probe = og.GeneratorParams(model)
         if not hasattr(probe, "set_speculative_options"):
-            raise RuntimeError(f"onnxruntime-genai {og.__version__} has no speculative options in its Python API")
+            raise RuntimeError(f"onnxruntime-genai {og.__version__} exposes no speculative options in Python")
         spec_opts = {"ngram_size": spec["ngram"], "max_draft_tokens": min(spec["lookup_k"], 16)}
         probe.set_speculative_options(**spec_opts)
         settings["speculative"] = probe.get_speculative_options()
@@ -293,46 +313,214 @@ def worker_genai(spec: dict, out: _Out) -> None:
             if ttft is None:
                 ttft = time.perf_counter() - t0
         total = time.perf_counter() - t0
-        seq = [int(t) for t in gen.get_sequence(0)]
-        new = _cut_at_eos(seq[len(ids):], eos, max_new)
+        new = _cut_at_eos([int(t) for t in gen.get_sequence(0)][len(ids):], eos, max_new)
         extra = {}
         if spec_opts:
-            s = gen.get_speculative_stats()
-            extra = {k: s.get(k) for k in ("rounds", "draft_tokens_proposed", "draft_tokens_accepted",
-                                           "target_forward_passes", "acceptance_rate",
-                                           "mean_emitted_tokens_per_round", "ngram_lookup_hits",
-                                           "ngram_lookup_misses", "standard_fallback_steps")}
+            stats = gen.get_speculative_stats()
+            extra = {k: stats.get(k) for k in _GENAI_STATS}
         del gen
         return new, ttft, total, extra
 
-    out.write(event="loaded", load_s=load_s, rss_after_load_mb=_self_rss_mb(),
-              versions={"onnxruntime_genai": og.__version__}, settings=settings)
-    _run_prompts(spec, out, generate)
+    return generate, {"load_s": load_s, "settings": settings,
+                      "versions": {"onnxruntime_genai": og.__version__}}
 
 
-WORKERS = {"hf": worker_hf, "llamacpp": worker_llamacpp, "genai": worker_genai}
+LOADERS = {"hf": load_hf, "llamacpp": load_llamacpp, "genai": load_genai}
 
 
-def worker_main(spec_path: str, out_path: str) -> int:
+def _measured(generate, ids, spec) -> dict:
+    """One prompt, redone (at most `retries` times, after waiting for a quiet moment) while
+    other processes kept more than `max_others` cores busy; keeps the least disturbed run."""
+    max_others = spec.get("max_others")
+    attempts = 1 + (spec.get("retries", 0) if max_others is not None else 0)
+    best = None
+    for attempt in range(attempts):
+        if attempt:
+            _wait_for_idle(spec.get("retry_wait_s", 30), max_others)
+        busy0, own0 = _cpu_busy_s(), _own_cpu_s()
+        new_ids, ttft, total, extra = generate(ids, spec["max_new_tokens"])
+        busy1, own1 = _cpu_busy_s(), _own_cpu_s()
+        others = None
+        if busy0 is not None and busy1 is not None and total > 0:
+            others = max((busy1 - busy0 - (own1 - own0)) / total, 0.0)
+        row = {"new_ids": [int(t) for t in new_ids], "ttft_s": ttft, "total_s": total,
+               "cpu_s": own1 - own0, "others_cores": others, "extra": extra}
+        if best is None or (others is not None and others < (best["others_cores"] or 0.0)):
+            best = row
+        if max_others is None or others is None or others <= max_others:
+            break
+    best["attempts"] = attempt + 1
+    return best
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this worker when the parent process dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def worker_main(spec_path: str) -> int:
+    _die_with_parent()
+    # Protocol on the original stdout; anything the libraries print goes to stderr instead.
+    proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def emit(**obj) -> None:
+        proto.write(json.dumps(obj) + "\n")
+
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
-    out = _Out(out_path)
     try:
-        WORKERS[spec["kind"]](spec, out)
+        generate, info = LOADERS[spec["kind"]](spec)
     except ImportError as e:
-        out.write(event="unavailable", reason=f"not installed: {e}")
+        emit(event="unavailable", reason=f"not installed: {e}")
         return 3
-    except Exception as e:  # noqa: BLE001 - any failure of a peer is a result, not a crash
-        out.write(event="error", reason=f"{type(e).__name__}: {str(e).strip()[:400]}",
-                  traceback=traceback.format_exc()[-2000:])
+    except Exception as e:  # noqa: BLE001 - a peer's failure is a result, not a crash
+        emit(event="error", reason=f"load failed: {type(e).__name__}: {str(e).strip()[:400]}",
+             traceback=traceback.format_exc()[-2000:])
         return 4
-    out.write(event="done", rss_mb=_self_rss_mb())
+    emit(event="loaded", rss_mb=_hwm_mb(), **info)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            if cmd["op"] == "warmup":
+                generate(spec["warmup_ids"], min(8, spec["max_new_tokens"]))
+                emit(event="warm", rss_mb=_hwm_mb())
+            elif cmd["op"] == "run":
+                p = spec["prompts"][cmd["index"]]
+                emit(event="prompt", id=p["id"], rss_mb=_hwm_mb(), **_measured(generate, p["ids"], spec))
+            elif cmd["op"] == "quit":
+                break
+        except Exception as e:  # noqa: BLE001
+            emit(event="error", reason=f"{type(e).__name__}: {str(e).strip()[:400]}",
+                 traceback=traceback.format_exc()[-2000:])
+            return 4
+    emit(event="done", rss_mb=_hwm_mb())
     return 0
 
 
 # --------------------------------------------------------------------------------------------
-# Parent: prepare prompts and models, run each peer, aggregate.
+# Parent
 # --------------------------------------------------------------------------------------------
+
+class Worker:
+    """One peer's worker process, driven by JSON lines on its stdin/stdout."""
+
+    def __init__(self, name: str, spec: dict, workdir: Path, budget_s: float) -> None:
+        self.name, self.spec = name, spec
+        self.events: list[dict] = []
+        self.status, self.reason = "running", None
+        self.budget_s = budget_s  # seconds of generation time this peer may use in all
+        self.budget_total_s = budget_s
+        self.peak_mb = 0.0
+        self.rusage = None
+        spec_path = workdir / f"{name}.spec.json"
+        spec_path.write_text(json.dumps(spec))
+        self.stderr_path = workdir / f"{name}.stderr.txt"
+        env = dict(os.environ)
+        threads = str(spec["threads"])
+        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads,
+                   TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)]
+        with open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                         env=env, start_new_session=True, text=True, bufsize=1)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def alive(self) -> bool:
+        return self.status == "running"
+
+    def poll_rss(self) -> None:
+        if self.rusage is None:
+            v = _hwm_mb(self.proc.pid)
+            if v is not None:
+                self.peak_mb = max(self.peak_mb, v)
+
+    def request(self, op: dict | None, timeout_s: float) -> dict | None:
+        """Send a command (None: just wait) and return the next event, or None on failure."""
+        t0 = time.perf_counter()
+        try:
+            if op is not None:
+                self.proc.stdin.write(json.dumps(op) + "\n")
+                self.proc.stdin.flush()
+            line = self.lines.get(timeout=max(timeout_s, 0.1))
+        except (BrokenPipeError, OSError):
+            line = None
+        except queue.Empty:
+            if op is not None and op.get("op") == "run":
+                why = (f"stopped when its generation budget (--peer-timeout {self.budget_total_s:.0f} s) "
+                       f"ran out, during prompt #{op['index']}")
+            else:
+                why = f"no answer to {op['op'] if op else 'loading'} within {timeout_s:.0f} s"
+            self.fail("failed", why)
+            return None
+        finally:
+            if op is not None and op.get("op") == "run":
+                self.budget_s -= time.perf_counter() - t0
+        if line is None:
+            self.fail("failed", None)
+            return None
+        event = json.loads(line)
+        self.events.append(event)
+        if isinstance(event.get("rss_mb"), (int, float)):
+            self.peak_mb = max(self.peak_mb, event["rss_mb"])
+        if event["event"] in ("unavailable", "error"):
+            self.fail("unavailable" if event["event"] == "unavailable" else "failed", event["reason"])
+            return None
+        return event
+
+    def fail(self, status: str, reason: str | None) -> None:
+        if not self.alive():
+            return
+        self.status = status
+        self.kill()
+        if reason is None:
+            rc = self.proc.returncode
+            why = (f"killed by signal {-rc}" + (" (segfault)" if rc == -11 else "")) if rc and rc < 0 \
+                else f"exit code {rc}"
+            tail = self.stderr_path.read_text(errors="replace").strip().splitlines()[-3:]
+            reason = f"worker died: {why}" + (f"; stderr: {' | '.join(tail)[-400:]}" if tail else "")
+        self.reason = reason
+
+    def kill(self) -> None:
+        if self.rusage is None:
+            self.poll_rss()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.reap(5)
+
+    def reap(self, timeout_s: float) -> None:
+        deadline = time.perf_counter() + timeout_s
+        while self.rusage is None and time.perf_counter() < deadline:
+            self.poll_rss()
+            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            if pid:
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
+                self.rusage = usage
+                return
+            time.sleep(0.05)
+
+    def quit(self) -> None:
+        if self.alive():
+            event = self.request({"op": "quit"}, 60)
+            if event is not None:
+                self.status = "done"
+            self.reap(30)
+        self.kill()
+
 
 def _chat_ids(tokenizer, messages) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -341,120 +529,6 @@ def _chat_ids(tokenizer, messages) -> list[int]:
     if ids and isinstance(ids[0], list):
         ids = ids[0]
     return [int(t) for t in ids]
-
-
-def _cpu_busy_s() -> float | None:
-    """Seconds of CPU time spent by all processes on the machine since boot (/proc/stat)."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def _wait_for_idle(max_wait_s: float, max_other_cores: float = 0.3, window_s: float = 3.0) -> float:
-    """Wait (at most max_wait_s) until the machine's CPU use stays under max_other_cores for
-    window_s seconds. Returns the seconds waited."""
-    t0 = time.perf_counter()
-    if max_wait_s <= 0:
-        return 0.0
-    while time.perf_counter() - t0 < max_wait_s:
-        a = _cpu_busy_s()
-        time.sleep(window_s)
-        b = _cpu_busy_s()
-        if a is None or b is None or (b - a) / window_s < max_other_cores:
-            break
-    return time.perf_counter() - t0
-
-
-def _run_child(spec: dict, timeout_s: float, workdir: Path, name: str) -> tuple[list[dict], dict]:
-    spec_path = workdir / f"{name}.spec.json"
-    out_path = workdir / f"{name}.out.jsonl"
-    err_path = workdir / f"{name}.stderr.txt"
-    spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
-    threads = str(spec["threads"])
-    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads,
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), str(out_path)]
-    stat0 = _cpu_busy_s()
-    t0 = time.perf_counter()
-    with open(err_path, "wb") as err:
-        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    timed_out = threading.Event()
-
-    def kill() -> None:
-        timed_out.set()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    timer = threading.Timer(timeout_s, kill)
-    timer.start()
-    peak = [0.0]
-    finished = threading.Event()
-
-    def watch() -> None:  # VmHWM only grows: the last read before exit is the peak
-        while not finished.is_set():
-            v = _hwm_mb(proc.pid)
-            if v is not None:
-                peak[0] = max(peak[0], v)
-            finished.wait(0.1)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        _, status, usage = os.wait4(proc.pid, 0)
-    finally:
-        timer.cancel()
-        finished.set()
-        watcher.join()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    wall = time.perf_counter() - t0
-    cpu_s = usage.ru_utime + usage.ru_stime  # CPU time of the worker (rusage times are its own)
-    stat1 = _cpu_busy_s()
-    # Cores kept busy by everything else on the machine meanwhile (the parent's polling is ~0).
-    others = (stat1 - stat0 - cpu_s) / wall if (stat0 is not None and stat1 is not None and wall > 0) else None
-    events = []
-    if out_path.exists():
-        for line in out_path.read_text(encoding="utf-8").splitlines():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line cut by a kill
-    for e in events:  # the worker's own VmHWM reports, exact at the moment it wrote them
-        if isinstance(e.get("rss_mb"), (int, float)):
-            peak[0] = max(peak[0], e["rss_mb"])
-    stderr_tail = err_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-8:]
-    info = {"returncode": proc.returncode, "timed_out": timed_out.is_set(),
-            "wall_s": wall, "peak_rss_mb": peak[0] or None, "cpu_s": cpu_s,
-            "others_cores": None if others is None else max(others, 0.0),
-            "stderr_tail": stderr_tail}
-    return events, info
-
-
-def _summ(rows: list[dict]) -> dict:
-    n = sum(r["new_tokens"] for r in rows)
-    t = sum(r["total_s"] for r in rows)
-    dec_n = sum(max(r["new_tokens"] - 1, 0) for r in rows if r["ttft_s"] is not None)
-    dec_t = sum(r["total_s"] - r["ttft_s"] for r in rows if r["ttft_s"] is not None)
-    ttfts = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
-    return {"prompts": len(rows), "new_tokens": n, "total_s": round(t, 4),
-            "tok_s": round(n / t, 2) if t > 0 else None,
-            "decode_tok_s": round(dec_n / dec_t, 2) if dec_t > 0 else None,
-            "mean_ttft_s": round(sum(ttfts) / len(ttfts), 4) if ttfts else None}
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def run(args) -> dict:
@@ -468,139 +542,178 @@ def run(args) -> dict:
         prompts = [p for p in prompts if p.category in wanted]
     if not prompts:
         raise SystemExit("no prompts selected")
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
 
     import _models
 
     t0 = time.perf_counter()
     gguf = _models.gguf_path()
     hf_dir = _models.hf_checkpoint()
-    prep_s = {"hf_checkpoint_s": round(time.perf_counter() - t0, 2)}
+    prep = {"hf_checkpoint_s": round(time.perf_counter() - t0, 2)}
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    eos_ids = sorted({int(tok.eos_token_id)})
+    eos_ids = [int(tok.eos_token_id)]
     prompt_rows = [{"id": p.id, "category": p.category, "ids": _chat_ids(tok, p.messages)} for p in prompts]
     warmup_ids = _chat_ids(tok, [{"role": "user", "content": "Say hello."}])
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if not args.quiet else (lambda *a: None)
     log(f"{len(prompts)} prompts, {sum(len(p['ids']) for p in prompt_rows)} prompt tokens, "
-        f"max_new_tokens={args.max_new_tokens}, peers: {', '.join(peer_names)}")
+        f"max_new_tokens={args.max_new_tokens}, schedule={args.schedule}, peers: {', '.join(peer_names)}")
 
     result = {
         "meta": {
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "host": {"platform": platform.platform(), "machine": platform.machine(),
-                     "cpu": _cpu_name(), "cpu_flags": _cpu_flags(), "cpu_count": os.cpu_count(),
-                     "mem_total_gib": _mem_gib()},
+            "host": {"platform": platform.platform(), "cpu": _cpu_name(), "cpu_flags": _cpu_flags(),
+                     "cpu_count": os.cpu_count(), "mem_total_gib": _mem_gib()},
             "python": platform.python_version(),
             "model": {"gguf": str(gguf), "hf_checkpoint": str(hf_dir)},
             "questions": str(args.questions), "limit_per_category": args.limit, "seed": args.seed,
-            "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-            "lookup_k": args.lookup_k, "ngram": args.ngram, "eos_ids": eos_ids,
-            "timing": ("total_s: wall time of one generation incl. prefill; ttft_s: time to the first "
-                       "new token; tok_s = sum(new_tokens)/sum(total_s); decode_tok_s = "
-                       "sum(new_tokens-1)/sum(total_s-ttft_s). One untimed warm-up per peer."),
-            "prep": prep_s,
-            "contention_note": ("peers[*].others_cores = average number of CPU cores that other "
-                                "processes kept busy while the peer ran (from /proc/stat minus the "
-                                "worker's own CPU time); loadavg_1m = 1-minute load average before/"
-                                "after. On a shared machine anything well above 0 slows the peer, "
-                                "and multi-threaded runtimes that spin (OpenMP) lose the most."),
+            "max_new_tokens": args.max_new_tokens, "threads": args.threads, "lookup_k": args.lookup_k,
+            "ngram": args.ngram, "eos_ids": eos_ids, "schedule": args.schedule,
+            "contention": {"max_others": args.max_others, "retries": args.retries,
+                           "retry_wait_s": args.retry_wait},
+            "definitions": (
+                "total_s: wall time of one generation incl. prefill; ttft_s: to the first new token; "
+                "tok_s = sum(new_tokens)/sum(total_s); decode_tok_s = sum(new_tokens-1)/sum(total_s-ttft_s); "
+                "cpu_s: the worker's CPU time for the generation; others_cores: CPU cores other processes "
+                "kept busy during it (/proc/stat minus the worker's own), time-weighted in aggregates; "
+                "well above 0 means a shared CPU slowed the peer (spinning thread pools lose the most). "
+                "peak_rss_mb: VmHWM of the worker process. One untimed warm-up generation per peer."),
+            "prep": prep,
         },
         "prompts": [{"id": p["id"], "category": p["category"], "prompt_tokens": len(p["ids"])}
                     for p in prompt_rows],
         "peers": {},
     }
 
-    token_ids: dict[str, dict[str, list[int]]] = {}
-    with tempfile.TemporaryDirectory(prefix="specdec-peers-") as tmp:
-        workdir = Path(tmp)
-        for name in peer_names:
-            cfg = PEERS[name]
-            entry: dict = {"describe": cfg["describe"], "status": "unavailable"}
-            result["peers"][name] = entry
-            spec = {"kind": cfg["kind"], "lookup": cfg["lookup"], "threads": args.threads,
-                    "max_new_tokens": args.max_new_tokens, "lookup_k": args.lookup_k,
-                    "ngram": args.ngram, "eos_ids": eos_ids, "prompts": prompt_rows,
-                    "warmup_ids": warmup_ids, "hf_dir": str(hf_dir), "gguf": str(gguf)}
-            if cfg["kind"] == "genai":
-                spec["precision"] = cfg["precision"]
-                try:
-                    import onnxruntime_genai  # noqa: F401  (checked here: the builder needs it too)
-                except ImportError as e:
-                    entry["reason"] = f"not installed: {e} (pip install onnxruntime-genai==0.18.0)"
-                    log(f"[{name}] unavailable: {entry['reason']}")
-                    continue
-                try:
-                    t1 = time.perf_counter()
-                    spec["genai_dir"] = str(_models.genai_model(cfg["precision"]))
-                    entry["prep_s"] = round(time.perf_counter() - t1, 2)
-                except Exception as e:  # noqa: BLE001
-                    entry["reason"] = f"model build failed: {str(e)[:400]}"
-                    log(f"[{name}] unavailable: {entry['reason']}")
-                    continue
-            waited = _wait_for_idle(args.wait_idle)
-            if args.wait_idle > 0:
-                entry["waited_for_idle_s"] = round(waited, 1)
-            log(f"[{name}] running ...")
-            load_before = os.getloadavg()[0]
-            events, info = _run_child(spec, args.peer_timeout, workdir, name)
-            entry.update(_collect(name, events, info, prompt_rows, tok, args.max_new_tokens))
-            # Other processes on the machine skew the timings: keep the 1-minute load average.
-            entry["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-            if "per_prompt" in entry:
-                token_ids[name] = {r["id"]: r.pop("_ids") for r in entry["per_prompt"]}
-            o = entry.get("overall") or {}
-            log(f"[{name}] {entry['status']}" + (f": {entry.get('reason')}" if entry.get("reason") else "")
-                + (f"  {o.get('new_tokens')} tok, {o.get('tok_s')} tok/s, decode {o.get('decode_tok_s')} tok/s"
-                   if o else ""))
+    workers: dict[str, Worker] = {}
+    stop = threading.Event()
 
+    def watch_rss() -> None:  # VmHWM only grows; polling catches a worker that dies uncleanly
+        while not stop.is_set():
+            for w in list(workers.values()):
+                w.poll_rss()
+            stop.wait(0.2)
+
+    watcher = threading.Thread(target=watch_rss, daemon=True)
+    watcher.start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="specdec-peers-") as tmp:
+            workdir = Path(tmp)
+            # 1. prepare models and load the workers one at a time
+            for name in peer_names:
+                cfg = PEERS[name]
+                entry: dict = {"describe": cfg["describe"], "status": "unavailable"}
+                result["peers"][name] = entry
+                spec = {"kind": cfg["kind"], "lookup": cfg["lookup"], "threads": args.threads,
+                        "max_new_tokens": args.max_new_tokens, "lookup_k": args.lookup_k,
+                        "ngram": args.ngram, "eos_ids": eos_ids, "prompts": prompt_rows,
+                        "warmup_ids": warmup_ids, "hf_dir": str(hf_dir), "gguf": str(gguf),
+                        "max_others": args.max_others, "retries": args.retries,
+                        "retry_wait_s": args.retry_wait}
+                if cfg["kind"] == "genai":
+                    spec["precision"] = cfg["precision"]
+                    try:
+                        import onnxruntime_genai  # noqa: F401 (its builder needs it too)
+                    except ImportError as e:
+                        entry["reason"] = f"not installed: {e} (pip install onnxruntime-genai==0.18.0)"
+                        log(f"[{name}] unavailable: {entry['reason']}")
+                        continue
+                    try:
+                        t1 = time.perf_counter()
+                        spec["genai_dir"] = str(_models.genai_model(cfg["precision"]))
+                        entry["prep_s"] = round(time.perf_counter() - t1, 2)
+                    except Exception as e:  # noqa: BLE001
+                        entry["reason"] = f"model build failed: {str(e)[:400]}"
+                        log(f"[{name}] unavailable: {entry['reason']}")
+                        continue
+                log(f"[{name}] loading ...")
+                w = Worker(name, spec, workdir, args.peer_timeout)
+                workers[name] = w
+                if w.request(None, args.load_timeout) is not None and w.request({"op": "warmup"}, 300) is not None:
+                    entry["status"] = "running"
+                else:
+                    log(f"[{name}] {w.status}: {w.reason}")
+                    w.kill()  # free its memory and CPU before the others run
+
+            # 2. the prompts
+            live = [n for n in peer_names if n in workers and workers[n].alive()]
+            jobs = ([(k, n) for k in range(len(prompt_rows))
+                     for n in (live[k % len(live):] + live[:k % len(live)])] if args.schedule == "interleaved"
+                    else [(k, n) for n in live for k in range(len(prompt_rows))]) if live else []
+            done_count = 0
+            for k, name in jobs:
+                w = workers[name]
+                if not w.alive():
+                    continue
+                if w.budget_s <= 0:
+                    w.fail("failed", f"stopped when its generation budget (--peer-timeout "
+                                     f"{args.peer_timeout:.0f} s) ran out, before prompt #{k}")
+                    continue
+                event = w.request({"op": "run", "index": k}, w.budget_s)
+                done_count += 1
+                if event is not None and not args.quiet:
+                    n = len(event["new_ids"])
+                    log(f"  [{done_count}/{len(jobs)}] {name:<18} {prompt_rows[k]['category']:<15} "
+                        f"{n:4d} tok {event['total_s']:7.2f} s {n / event['total_s']:7.1f} tok/s "
+                        f"others {event['others_cores'] or 0:.2f}")
+            for w in workers.values():
+                w.quit()
+    finally:
+        stop.set()
+        for w in workers.values():
+            w.kill()
+
+    token_ids: dict[str, dict[str, list[int]]] = {}
+    for name, w in workers.items():
+        entry = result["peers"][name]
+        entry.update(_collect(w, prompt_rows, tok))
+        if "per_prompt" in entry:
+            token_ids[name] = {r["id"]: r.pop("_ids") for r in entry["per_prompt"]}
+        o = entry.get("overall") or {}
+        log(f"[{name}] {entry['status']}" + (f" ({entry['reason']})" if entry.get("reason") else "")
+            + (f": {o['new_tokens']} tok, {o['tok_s']} tok/s, decode {o['decode_tok_s']} tok/s" if o else ""))
     _compare(result, token_ids, args.reference)
     if args.keep_tokens:
         result["token_ids"] = token_ids
     return result
 
 
-def _collect(name, events, info, prompt_rows, tok, max_new) -> dict:
-    entry: dict = {"peak_rss_mb": info["peak_rss_mb"] and round(info["peak_rss_mb"], 1),
-                   "wall_s": round(info["wall_s"], 2), "cpu_s": round(info["cpu_s"], 2),
-                   "others_cores": info["others_cores"] and round(info["others_cores"], 2)}
-    loaded = next((e for e in events if e.get("event") == "loaded"), None)
-    failed = next((e for e in events if e.get("event") in ("unavailable", "error")), None)
-    done = any(e.get("event") == "done" for e in events)
-    by_id = {e["id"]: e for e in events if e.get("event") == "prompt"}
+def _collect(w: Worker, prompt_rows: list[dict], tok) -> dict:
+    entry: dict = {"peak_rss_mb": round(w.peak_mb, 1) if w.peak_mb else None}
+    loaded = next((e for e in w.events if e["event"] == "loaded"), None)
+    by_id = {e["id"]: e for e in w.events if e["event"] == "prompt"}
     if loaded:
-        entry.update(load_s=round(loaded["load_s"], 3), rss_after_load_mb=loaded["rss_after_load_mb"] and round(loaded["rss_after_load_mb"], 1),
+        entry.update(load_s=round(loaded["load_s"], 3), rss_after_load_mb=loaded.get("rss_mb"),
                      versions=loaded.get("versions"), settings=loaded.get("settings"))
-    if done and len(by_id) == len(prompt_rows):
+    if w.rusage is not None:
+        entry["worker_cpu_s"] = round(w.rusage.ru_utime + w.rusage.ru_stime, 2)
+    if w.status == "done" and len(by_id) == len(prompt_rows):
         entry["status"] = "ok"
     elif by_id:
         entry["status"] = "partial"
     else:
-        entry["status"] = "unavailable" if (failed or {}).get("event") == "unavailable" or not loaded else "failed"
-    if failed:
-        entry["reason"] = failed["reason"]
-        if failed.get("traceback"):
-            entry["traceback_tail"] = failed["traceback"][-800:]
-    elif not done:
-        rc = info["returncode"]
-        why = "timed out" if info["timed_out"] else (
-            f"killed by signal {-rc}" + (" (segfault)" if rc == -11 else "") if rc < 0 else f"exit code {rc}")
-        entry["reason"] = f"worker {why} after {len(by_id)}/{len(prompt_rows)} prompts"
-        entry["stderr_tail"] = info["stderr_tail"]
+        entry["status"] = "failed" if loaded or w.status == "failed" else "unavailable"
+    if w.reason:
+        entry["reason"] = w.reason
+        tb = next((e.get("traceback") for e in w.events if e.get("traceback")), None)
+        if tb:
+            entry["traceback_tail"] = tb[-800:]
     if not by_id:
         return entry
+    eos = {int(tok.eos_token_id)}
     rows = []
     for p in prompt_rows:
         e = by_id.get(p["id"])
         if e is None:
             continue
         n = len(e["new_ids"])
-        text = tok.decode(e["new_ids"], skip_special_tokens=True)
         row = {"id": p["id"], "category": p["category"], "prompt_tokens": len(p["ids"]), "new_tokens": n,
                "ttft_s": None if e["ttft_s"] is None else round(e["ttft_s"], 4),
                "total_s": round(e["total_s"], 4), "tok_s": round(n / e["total_s"], 2) if e["total_s"] > 0 else None,
-               "eos": bool(e["new_ids"]) and e["new_ids"][-1] in set(_eos_of(tok)),
-               "text80": text[:80], "_ids": e["new_ids"]}
+               "cpu_s": round(e["cpu_s"], 3),
+               "others_cores": None if e.get("others_cores") is None else round(e["others_cores"], 2),
+               "attempts": e.get("attempts", 1), "eos": bool(e["new_ids"]) and e["new_ids"][-1] in eos,
+               "text80": tok.decode(e["new_ids"], skip_special_tokens=True)[:80], "_ids": e["new_ids"]}
         if e.get("extra"):
             row["speculation"] = e["extra"]
         rows.append(row)
@@ -611,8 +724,30 @@ def _collect(name, events, info, prompt_rows, tok, max_new) -> dict:
     return entry
 
 
-def _eos_of(tok) -> list[int]:
-    return [int(tok.eos_token_id)]
+def _summ(rows: list[dict]) -> dict:
+    n = sum(r["new_tokens"] for r in rows)
+    t = sum(r["total_s"] for r in rows)
+    timed = [r for r in rows if r["ttft_s"] is not None]
+    dec_n = sum(max(r["new_tokens"] - 1, 0) for r in timed)
+    dec_t = sum(r["total_s"] - r["ttft_s"] for r in timed)
+    oth = [(r["others_cores"], r["total_s"]) for r in rows if r.get("others_cores") is not None]
+    ot = sum(w for _, w in oth)
+    cpu = sum(r["cpu_s"] for r in rows)
+    return {"prompts": len(rows), "new_tokens": n, "total_s": round(t, 4),
+            "tok_s": round(n / t, 2) if t > 0 else None,
+            "decode_tok_s": round(dec_n / dec_t, 2) if dec_t > 0 else None,
+            "mean_ttft_s": round(sum(r["ttft_s"] for r in timed) / len(timed), 4) if timed else None,
+            "cpu_ms_per_token": round(1000 * cpu / n, 2) if n else None,
+            "others_cores": round(sum(o * w for o, w in oth) / ot, 2) if ot > 0 else None}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _compare(result: dict, token_ids: dict, reference: str) -> None:
@@ -626,7 +761,8 @@ def _compare(result: dict, token_ids: dict, reference: str) -> None:
         if ref and name != ref:
             pairs.append(("vs_" + ref, token_ids[ref]))
         if base and base in token_ids:
-            pairs.append(("vs_" + base, token_ids[base]))
+            if base != ref:
+                pairs.append(("vs_" + base, token_ids[base]))
             b, s = peers[base].get("overall", {}), entry.get("overall", {})
             if b.get("tok_s") and s.get("tok_s"):
                 entry["speedup_vs_" + base] = round(s["tok_s"] / b["tok_s"], 3)
@@ -656,6 +792,17 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
+def _cpu_flags() -> list[str]:
+    """The SIMD features that decide which kernels the peers use."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma", "f16c")))
+    except OSError:
+        pass
+    return []
+
+
 def _mem_gib() -> float | None:
     try:
         return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
@@ -663,65 +810,62 @@ def _mem_gib() -> float | None:
         return None
 
 
-def _cpu_flags() -> list[str]:
-    """The SIMD features that decide which kernels the peers use."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                return sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-    except OSError:
-        pass
-    return []
-
-
 def format_table(result: dict) -> str:
     peers = result["peers"]
-    lines = []
-    hdr = (f"{'peer':<18} {'status':<11} {'tok/s':>7} {'decode':>7} {'TTFT s':>7} {'tokens':>6} "
-           f"{'RSS MB':>7} {'load s':>6} {'others':>6}  same tokens as")
-    lines += [hdr, "-" * len(hdr)]
+
+    def f(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    hdr = (f"{'peer':<18} {'status':<8} {'tok/s':>6} {'decode':>6} {'TTFT s':>6} {'tokens':>6} "
+           f"{'cpu ms/t':>8} {'RSS MB':>6} {'load s':>6} {'others':>6}  same tokens as / speedup")
+    lines = [hdr, "-" * len(hdr)]
     for name, e in peers.items():
         o = e.get("overall") or {}
-        agree = e.get("agreement") or {}
-        ag = ", ".join(f"{k[3:]}: {v['identical']}" for k, v in agree.items())
-        sp = e.get("speedup_vs_" + name[:-7]) if name.endswith("-lookup") else None
+        ag = ", ".join(f"{k[3:]} {v['identical']}" for k, v in (e.get("agreement") or {}).items())
+        sp = e.get("speedup_vs_" + name[: -len("-lookup")]) if name.endswith("-lookup") else None
         if sp:
             ag = (ag + "; " if ag else "") + f"x{sp} vs plain"
-
-        def f(v, fmt):
-            return format(v, fmt) if isinstance(v, (int, float)) else "-"
-
-        lines.append(f"{name:<18} {e['status']:<11} {f(o.get('tok_s'), '7.1f')} {f(o.get('decode_tok_s'), '7.1f')} "
-                     f"{f(o.get('mean_ttft_s'), '7.3f')} {f(o.get('new_tokens'), '6d')} "
-                     f"{f(e.get('peak_rss_mb'), '7.0f')} {f(e.get('load_s'), '6.1f')} "
-                     f"{f(e.get('others_cores'), '6.2f')}  {ag}")
+        lines.append(f"{name:<18} {e['status']:<8} {f(o.get('tok_s'), '6.1f')} {f(o.get('decode_tok_s'), '6.1f')} "
+                     f"{f(o.get('mean_ttft_s'), '6.3f')} {f(o.get('new_tokens'), '6d')} "
+                     f"{f(o.get('cpu_ms_per_token'), '8.1f')} {f(e.get('peak_rss_mb'), '6.0f')} "
+                     f"{f(e.get('load_s'), '6.1f')} {f(o.get('others_cores'), '6.2f')}  {ag}")
         if e.get("reason"):
-            lines.append(f"{'':<18} reason: {e['reason'][:150]}")
+            lines.append(f"{'':<18} reason: {e['reason'][:160]}")
     ok = [n for n, e in peers.items() if e.get("per_category")]
     if ok:
         cats = list(dict.fromkeys(c for n in ok for c in peers[n]["per_category"]))
-        lines.append("")
-        lines.append("tok/s per category (new tokens / whole-generation time)")
         w = max(8, *(len(n) for n in ok))
-        lines.append(f"{'category':<15}" + "".join(f" {n:>{w}}" for n in ok))
+        lines += ["", "tok/s per category (new tokens / whole-generation time)",
+                  f"{'category':<15}" + "".join(f" {n:>{w}}" for n in ok)]
         for c in cats:
-            cells = []
-            for n in ok:
-                v = peers[n]["per_category"].get(c, {}).get("tok_s")
-                cells.append(f" {v:>{w}.1f}" if v is not None else f" {'-':>{w}}")
-            lines.append(f"{c:<15}" + "".join(cells))
+            cells = [peers[n]["per_category"].get(c, {}).get("tok_s") for n in ok]
+            lines.append(f"{c:<15}" + "".join(f" {v:>{w}.1f}" if v is not None else f" {'-':>{w}}" for v in cells))
+    lines += ["", "tok/s: new tokens / generation time incl. prefill; decode: after the first token; "
+              "others: CPU cores used by other processes meanwhile (0 = quiet machine)"]
     return "\n".join(lines)
+
+
+def dumps(obj, flat_depth: int = 4, _depth: int = 0, _indent: str = "") -> str:
+    """JSON with one line per object from `flat_depth` down (a per-prompt row is one line)."""
+    scalars = isinstance(obj, list) and all(not isinstance(v, (dict, list)) for v in obj)
+    if _depth >= flat_depth or not isinstance(obj, (dict, list)) or not obj or scalars:
+        return json.dumps(obj, ensure_ascii=False)
+    inner = _indent + " "
+    if isinstance(obj, dict):
+        items = [f"{inner}{json.dumps(k)}: {dumps(v, flat_depth, _depth + 1, inner)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + _indent + "}"
+    items = [inner + dumps(v, flat_depth, _depth + 1, inner) for v in obj]
+    return "[\n" + ",\n".join(items) + "\n" + _indent + "]"
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
-        return worker_main(argv[1], argv[2])
+        return worker_main(argv[1])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
-    ap.add_argument("--limit", type=int, default=1, help="questions per category (0 < n; -1: all)")
+    ap.add_argument("--limit", type=int, default=1, help="questions per category (-1: all)")
     ap.add_argument("--seed", type=int, default=0, help="which questions --limit keeps")
     ap.add_argument("--categories", default="", help="comma-separated subset of categories")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -729,10 +873,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lookup-k", type=int, default=10, help="draft tokens per lookup (genai caps at 16)")
     ap.add_argument("--ngram", type=int, default=2, help="n-gram size matched by the lookup drafters")
+    ap.add_argument("--schedule", choices=("interleaved", "sequential"), default="interleaved")
     ap.add_argument("--reference", default="hf", help="peer whose token ids the others are compared to")
-    ap.add_argument("--wait-idle", type=float, default=0,
-                    help="before each peer, wait up to this many seconds for other CPU use to drop")
-    ap.add_argument("--peer-timeout", type=float, default=900, help="seconds before a peer is killed")
+    ap.add_argument("--max-others", type=float, default=None,
+                    help="redo a generation during which other processes kept more CPU cores busy than this")
+    ap.add_argument("--retries", type=int, default=2, help="redos per prompt with --max-others")
+    ap.add_argument("--retry-wait", type=float, default=20, help="seconds to wait for a quiet moment before a redo")
+    ap.add_argument("--peer-timeout", type=float, default=600, help="generation seconds per peer before it is stopped")
+    ap.add_argument("--load-timeout", type=float, default=600, help="seconds a peer may take to load")
     ap.add_argument("--out", default=str(HERE / "results" / "peers.json"))
     ap.add_argument("--keep-tokens", action="store_true", help="store every generated token id in the JSON")
     ap.add_argument("--table", action="store_true", help="print the table to stdout (default: when a TTY)")
@@ -740,10 +888,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 0:
         args.limit = None
+
+    def on_term(signum, frame):  # run `finally` blocks: the workers are killed, not orphaned
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
     result = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    out.write_text(dumps(result) + "\n", encoding="utf-8")
     if args.table or sys.stdout.isatty():
         print(format_table(result))
     print(f"wrote {out}", file=sys.stderr)
