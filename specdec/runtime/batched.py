@@ -50,7 +50,7 @@ import onnxruntime as ort
 from specdec.errors import SpecdecError
 from specdec.runtime.acceptance import greedy_accept, speculative_accept
 from specdec.runtime.decoder import MAX_STEP, Decoder
-from specdec.runtime.draft_len import (ACCEPT_EMA, ACCEPT_PRIOR, AdaptiveDraftLen, DraftLenPolicy, FixedDraftLen,
+from specdec.runtime.draft_len import (ACCEPT_EMA, ACCEPT_PRIOR, AdaptiveDraftLen, DraftLenPolicy, choose_policy,
                                        median_seconds)
 from specdec.runtime.drafters.base import Draft
 from specdec.runtime.drafters.ngram import NgramDrafter
@@ -312,13 +312,12 @@ class BatchedEngine:
 
     def _policy(self, cfg: GenerationConfig) -> DraftLenPolicy | None:
         draft_len = self.manifest.drafter.draft_len if cfg.draft_len is None else cfg.draft_len
-        if self.drafter_kind == "none" or draft_len == 0:
-            return None
-        if draft_len != "auto":
-            return FixedDraftLen(draft_len)
+        return choose_policy(draft_len, self.drafter_kind != "none", self._cached_costs)
+
+    def _cached_costs(self) -> tuple[list[float], float, float]:
         if self._costs is None:
             self._costs = self._measure_costs()
-        return AdaptiveDraftLen(verify_s=list(self._costs[0]), draft_s=self._costs[1])
+        return self._costs
 
     def _measure_costs(self) -> tuple[list[float], float, float]:
         """Seconds of a full-batch target step of each width 1..AUTO_K_MAX+1, and of a full-batch draft step of

@@ -84,6 +84,18 @@ class AdaptiveDraftLen:
         self.acceptance += ACCEPT_EMA * (n_accepted / trials - self.acceptance)
 
 
+def choose_policy(draft_len: int | str, drafting: bool,
+                  costs: Callable[[], tuple]) -> DraftLenPolicy | None:
+    """None means plain decoding (no drafter, or a length of 0); else a fixed length, or an adaptive one
+    built from `costs()` = (verify seconds by width 1..k_max+1, draft seconds per token, ...), called only then."""
+    if not drafting or draft_len == 0:
+        return None
+    if draft_len != "auto":
+        return FixedDraftLen(int(draft_len))
+    verify_s, draft_s = costs()[:2]
+    return AdaptiveDraftLen(verify_s=list(verify_s), draft_s=draft_s)
+
+
 def median_seconds(fn: Callable[[], object], reps: int = CALIBRATION_REPS) -> float:
     fn()  # warm-up: first runs pay for allocation and kernel selection
     times = []

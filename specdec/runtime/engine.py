@@ -16,7 +16,7 @@ import numpy as np
 
 from specdec.errors import SpecdecError
 from specdec.runtime.decoder import Decoder
-from specdec.runtime.draft_len import AdaptiveDraftLen, DraftLenPolicy, FixedDraftLen, median_seconds
+from specdec.runtime.draft_len import DraftLenPolicy, FixedDraftLen, choose_policy, median_seconds
 from specdec.runtime.drafters.base import Drafter
 from specdec.runtime.drafters.draft_model import ModelDrafter
 from specdec.runtime.drafters.hybrid import LOOKUP_MIN_NGRAM, HybridDrafter
@@ -179,16 +179,14 @@ class Engine:
         raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram, model or hybrid")
 
     def _draft_len_policy(self, draft_len: int | str | None) -> DraftLenPolicy | None:
-        """None means plain decoding: no drafter, or a draft length of 0."""
         if draft_len is None:
             draft_len = self.manifest.drafter.draft_len
-        if self.drafter is None or draft_len == 0:
-            return None
-        if draft_len != "auto":
-            return FixedDraftLen(draft_len)
+        return choose_policy(draft_len, self.drafter is not None, self._cached_costs)
+
+    def _cached_costs(self) -> tuple[list[float], float]:
         if self._costs is None:
             self._costs = self._measure_costs()
-        return AdaptiveDraftLen(verify_s=list(self._costs[0]), draft_s=self._costs[1])
+        return self._costs
 
     def _measure_costs(self) -> tuple[list[float], float]:
         """Time target steps of width 1..AUTO_K_MAX+1 and one draft step on this device.
