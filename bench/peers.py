@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.util
 import json
 import os
 import platform
@@ -314,6 +315,10 @@ def load_genai(spec: dict):
                 ttft = time.perf_counter() - t0
         total = time.perf_counter() - t0
         new = _cut_at_eos([int(t) for t in gen.get_sequence(0)][len(ids):], eos, max_new)
+        # genai leaves the EOS that stopped it out of the sequence (get_next_tokens shows it).
+        # Done short of max_length means EOS: count it, as the other peers do.
+        if len(new) < max_new and (not new or new[-1] not in eos):
+            new.append(spec["eos_ids"][0])
         extra = {}
         if spec_opts:
             stats = gen.get_speculative_stats()
@@ -612,10 +617,8 @@ def run(args) -> dict:
                         "retry_wait_s": args.retry_wait}
                 if cfg["kind"] == "genai":
                     spec["precision"] = cfg["precision"]
-                    try:
-                        import onnxruntime_genai  # noqa: F401 (its builder needs it too)
-                    except ImportError as e:
-                        entry["reason"] = f"not installed: {e} (pip install onnxruntime-genai==0.18.0)"
+                    if importlib.util.find_spec("onnxruntime_genai") is None:  # its builder needs it too
+                        entry["reason"] = "not installed: onnxruntime_genai (pip install onnxruntime-genai==0.18.0)"
                         log(f"[{name}] unavailable: {entry['reason']}")
                         continue
                     try:
