@@ -11,6 +11,9 @@ Peers (each in its own worker process, so its peak RSS is its own):
   genai-lookup       the same with its n-gram speculation (`set_speculative_options`)
   genai-int4         onnxruntime-genai, the builder's int4 model, greedy
   genai-int4-lookup  the same with n-gram speculation
+  specdec[-V]:D[:K]  specdec on the bundle bundles/smollm2[-V] (see --bundles), drafter D
+                     (none, ngram, model, hybrid), draft length K (an integer or auto),
+                     e.g. specdec:none, specdec:hybrid:4, specdec-int4:ngram:auto
 
 Every peer gets the token ids of the model's chat template (add_generation_prompt=True)
 applied to a Spec-Bench question's first turn, computed once here; no peer tokenizes text.
@@ -330,7 +333,58 @@ def load_genai(spec: dict):
                       "versions": {"onnxruntime_genai": og.__version__}}
 
 
-LOADERS = {"hf": load_hf, "llamacpp": load_llamacpp, "genai": load_genai}
+def load_specdec(spec: dict):
+    import specdec
+    from specdec.runtime.engine import GenerationConfig
+
+    t0 = time.perf_counter()
+    engine = specdec.load(spec["bundle"], drafter=spec["drafter"],
+                          runtime=specdec.RuntimeOptions(threads=spec["threads"]))
+    load_s = time.perf_counter() - t0
+    draft_len = spec["draft_len"]
+
+    def generate(ids, max_new):
+        engine.reset()  # no prefix reuse between prompts, as for the other peers
+        cfg = GenerationConfig(max_new_tokens=max_new, draft_len=draft_len)
+        new: list[int] = []
+        ttft = None
+        t0 = time.perf_counter()
+        for chunk in engine.stream_ids(ids, cfg):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            new += chunk
+        total = time.perf_counter() - t0
+        s = engine.last_stats
+        return new, ttft, total, {"target_forwards": s.target_forwards, "drafted": s.drafted,
+                                  "accepted": s.accepted, "tau": round(s.tau, 3)}
+
+    m = engine.manifest
+    settings = {"bundle": spec["bundle"], "drafter": spec["drafter"], "draft_len": draft_len,
+                "threads": spec["threads"], "target_precision": m.graphs["target"].precision,
+                "draft_precision": m.graphs[m.drafter.graph].precision if m.drafter.graph else None}
+    return generate, {"load_s": load_s, "settings": settings,
+                      "versions": {"specdec": getattr(specdec, "__version__", "dev")}}
+
+
+LOADERS = {"hf": load_hf, "llamacpp": load_llamacpp, "genai": load_genai, "specdec": load_specdec}
+
+
+def specdec_peer(name: str, bundles: str) -> dict | None:
+    """`specdec[-VARIANT]:DRAFTER[:K]` -> a peer config on bundle {bundles}[-VARIANT]; None if not specdec."""
+    head, _, rest = name.partition(":")
+    if head != "specdec" and not head.startswith("specdec-"):
+        return None
+    drafter, _, k = rest.partition(":")
+    drafter = drafter or "none"
+    if drafter not in ("none", "ngram", "model", "hybrid"):
+        raise SystemExit(f"peer {name}: unknown drafter {drafter!r} (none, ngram, model, hybrid)")
+    k = k or ("0" if drafter == "none" else "auto")
+    if k != "auto" and not k.isdigit():
+        raise SystemExit(f"peer {name}: draft length must be an integer or auto")
+    bundle = bundles + head[len("specdec"):]
+    return {"kind": "specdec", "lookup": drafter != "none", "bundle": bundle, "drafter": drafter,
+            "draft_len": k if k == "auto" else int(k),
+            "describe": f"specdec on {bundle}, drafter {drafter}, draft length {k}"}
 
 
 def _measured(generate, ids, spec) -> dict:
@@ -538,6 +592,10 @@ def _chat_ids(tokenizer, messages) -> list[int]:
 
 def run(args) -> dict:
     peer_names = [p.strip() for p in args.peers.split(",") if p.strip()]
+    for name in peer_names:
+        cfg = specdec_peer(name, args.bundles)
+        if cfg is not None:
+            PEERS[name] = cfg
     unknown = [p for p in peer_names if p not in PEERS]
     if unknown:
         raise SystemExit(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEERS)}")
@@ -615,6 +673,12 @@ def run(args) -> dict:
                         "warmup_ids": warmup_ids, "hf_dir": str(hf_dir), "gguf": str(gguf),
                         "max_others": args.max_others, "retries": args.retries,
                         "retry_wait_s": args.retry_wait}
+                if cfg["kind"] == "specdec":
+                    if not (Path(cfg["bundle"]) / "specdec.json").is_file():
+                        entry["reason"] = f"no bundle at {cfg['bundle']} (specdec export first)"
+                        log(f"[{name}] unavailable: {entry['reason']}")
+                        continue
+                    spec.update({k: cfg[k] for k in ("bundle", "drafter", "draft_len")})
                 if cfg["kind"] == "genai":
                     spec["precision"] = cfg["precision"]
                     if importlib.util.find_spec("onnxruntime_genai") is None:  # its builder needs it too
@@ -874,6 +938,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--peers", default=DEFAULT_PEERS, help=f"comma-separated; known: {', '.join(PEERS)}")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bundles", default=str(REPO / "bundles" / "smollm2"),
+                    help="specdec bundle path prefix: peer specdec-V uses <prefix>-V")
     ap.add_argument("--lookup-k", type=int, default=10, help="draft tokens per lookup (genai caps at 16)")
     ap.add_argument("--ngram", type=int, default=2, help="n-gram size matched by the lookup drafters")
     ap.add_argument("--schedule", choices=("interleaved", "sequential"), default="interleaved")

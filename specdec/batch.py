@@ -32,6 +32,8 @@ Guarantees:
   goes on. The errors file is rewritten by every run (it describes the last run); the command still exits
   0 and its summary line says how many errors there were. Requests that failed are not in the output, so
   a rerun tries them again.
+- The same with --ray (specdec/scaleout.py): Ray workers only generate and return results; this process
+  reads the input, skips done ids and writes every line, so a Ray run and a local run resume each other.
 """
 from __future__ import annotations
 
@@ -45,13 +47,16 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from specdec.errors import SpecdecError
 from specdec.runtime.engine import GenerationConfig
 from specdec.runtime.manifest import MANIFEST_NAME, read_manifest
 from specdec.runtime.sampling import SamplingConfig
 from specdec.runtime.session import RuntimeOptions
+
+if TYPE_CHECKING:  # specdec.scaleout imports this module; it is imported here only when --ray runs
+    from specdec.scaleout import RayOptions
 
 META_FORMAT = "specdec-batch"
 META_VERSION = 1
@@ -320,6 +325,96 @@ def _diff(old: dict, new: dict) -> str:
     return "; ".join(parts)
 
 
+# ------------------------------------------------------------------------------------------- generating
+
+@dataclass(frozen=True)
+class Result:
+    """What one request came to: its output record, or the error for the errors file."""
+
+    record: dict | None = None
+    tokens: int = 0  # new tokens generated (the summary's tok/s)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to load the engine; picklable, so a Ray worker loads the same engine as a local run."""
+
+    bundle: Path
+    batch_size: int
+    drafter: str | None
+    max_len: int | None
+    runtime: RuntimeOptions
+
+
+class Generator:
+    """Loads the bundle once and turns requests into output records: the one code path of local runs and of
+    Ray workers, so both write the same lines."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        if spec.batch_size == 1:
+            from specdec.runtime.engine import Engine
+
+            self.engine = Engine(spec.bundle, max_len=spec.max_len, runtime=spec.runtime, drafter=spec.drafter)
+        else:
+            from specdec.runtime.batched import BatchedEngine
+
+            self.engine = BatchedEngine(spec.bundle, spec.batch_size, max_len=spec.max_len, runtime=spec.runtime,
+                                        drafter=spec.drafter)
+        self.codec = self.engine.codec
+
+    def results(self, requests: list[Request]) -> Iterator[tuple[Request, Result]]:
+        """(request, Result) for every request, in finishing order."""
+        for req, g in self._generations(requests):
+            if isinstance(g, SpecdecError):
+                yield req, Result(error=str(g))
+            else:
+                rec = {"id": req.id, "text": self._text(g), "finish_reason": g.finish_reason,
+                       "stats": g.stats.to_dict()}
+                yield req, Result(record=rec, tokens=len(g.token_ids))
+
+    def _text(self, g) -> str:
+        """The record's text: all of the generated tokens decoded (EOS left out), or the streamed text cut before
+        the stop string. The streamed text (Generation.text) holds back a piece that ends in an incomplete UTF-8
+        character until the next tokens complete it, and is never flushed when the generation ends, so its
+        last characters depend on how tokens were grouped into rounds, i.e. on the drafts; the record must not.
+        """
+        if g.finish_reason == "stop":
+            return g.text
+        eos = set(self.codec.eos_token_ids)
+        return self.codec.decode([t for t in g.token_ids if t not in eos])
+
+    def _generations(self, pending: list[Request]) -> Iterator[tuple[Request, Any]]:
+        """(request, Generation | SpecdecError) for every pending request, in finishing order."""
+        engine = self.engine
+        if self.spec.batch_size == 1:
+            for req in pending:
+                try:
+                    yield req, engine.generate(req.prompt, req.cfg)
+                except SpecdecError as e:
+                    yield req, e
+            return
+        from specdec.runtime.batched import BatchRequest
+
+        failed: list[tuple[Request, SpecdecError]] = []
+
+        def encoded() -> Iterator[BatchRequest]:
+            for req in pending:
+                try:
+                    ids = engine.encode(req.prompt)
+                except SpecdecError as e:
+                    failed.append((req, e))
+                    continue
+                yield BatchRequest(key=req, prompt_ids=tuple(ids), cfg=req.cfg)
+
+        for breq, result in engine.run(encoded()):
+            while failed:
+                yield failed.pop(0)
+            yield breq.key, result
+        yield from failed
+
+
 # --------------------------------------------------------------------------------------------------- job
 
 @dataclass
@@ -350,6 +445,7 @@ class BatchJob:
     max_len: int | None = None
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
     force: bool = False
+    ray: RayOptions | None = None  # run the generation on a Ray cluster (specdec/scaleout.py); None = here
     counts: JobCounts = field(default_factory=JobCounts)
 
     def __post_init__(self) -> None:
@@ -452,72 +548,43 @@ class BatchJob:
                 on_start(len(pending))
             if not pending:
                 return c
-            for req, result in self._generate(pending):
-                if isinstance(result, SpecdecError):
+            # The driver alone writes (also on Ray, where workers only return results), so the lock, the
+            # atomic appends and the resume bookkeeping are the same whatever generated the records.
+            # closing(): on Ctrl-C or an error the results are closed at once (on Ray: the cluster this job
+            # started is shut down), not whenever the traceback lets go of the generator.
+            with contextlib.closing(self._results(pending)) as results:
+                for req, result in results:
+                    if result.record is None:
+                        try:
+                            errors.append({"line": req.line, "id": req.id, "error": result.error})
+                        finally:
+                            c.errors = errors.appended
+                        continue
+                    rec = result.record
                     try:
-                        errors.append({"line": req.line, "id": req.id, "error": str(result)})
-                    finally:
-                        c.errors = errors.appended
-                    continue
-                rec = {"id": req.id, "text": self._text(result), "finish_reason": result.finish_reason,
-                       "stats": result.stats.to_dict()}
-                try:
-                    out.append(rec)
-                finally:  # a Ctrl-C held during the write is raised after the line is whole: count it
-                    if out.appended > c.written:
-                        c.written = out.appended
-                        c.tokens += len(result.token_ids)
-                c.elapsed_s = time.perf_counter() - t0
-                if on_record is not None:
-                    on_record(rec, c)
+                        out.append(rec)
+                    finally:  # a Ctrl-C held during the write is raised after the line is whole: count it
+                        if out.appended > c.written:
+                            c.written = out.appended
+                            c.tokens += result.tokens
+                    c.elapsed_s = time.perf_counter() - t0
+                    if on_record is not None:
+                        on_record(rec, c)
         finally:
             c.elapsed_s = time.perf_counter() - t0
             out.close()
             errors.close()
         return c
 
-    def _text(self, g) -> str:
-        """The record's text: all of the generated tokens decoded (EOS left out), or the streamed text cut before
-        the stop string. The streamed text (Generation.text) holds back a piece that ends in an incomplete UTF-8
-        character until the next tokens complete it, and is never flushed when the generation ends, so its
-        last characters depend on how tokens were grouped into rounds, i.e. on the drafts; the record must not.
-        """
-        if g.finish_reason == "stop":
-            return g.text
-        eos = set(self._codec.eos_token_ids)
-        return self._codec.decode([t for t in g.token_ids if t not in eos])
+    def engine_spec(self) -> EngineSpec:
+        return EngineSpec(bundle=self.bundle, batch_size=self.batch_size, drafter=self.drafter, max_len=self.max_len,
+                          runtime=self.runtime)
 
-    def _generate(self, pending: list[Request]) -> Iterator[tuple[Request, Any]]:
-        """(request, Generation | SpecdecError) for every pending request, in finishing order."""
-        if self.batch_size == 1:
-            from specdec.runtime.engine import Engine
+    def _results(self, pending: list[Request]) -> Iterator[tuple[Request, Result]]:
+        """(request, Result) for every pending request, in finishing order: here, or on Ray workers."""
+        if self.ray is not None:
+            from specdec.scaleout import ray_results
 
-            engine = Engine(self.bundle, max_len=self.max_len, runtime=self.runtime, drafter=self.drafter)
-            self._codec = engine.codec
-            for req in pending:
-                try:
-                    yield req, engine.generate(req.prompt, req.cfg)
-                except SpecdecError as e:
-                    yield req, e
+            yield from ray_results(self.engine_spec(), pending, self.ray)
             return
-        from specdec.runtime.batched import BatchedEngine, BatchRequest
-
-        engine = BatchedEngine(self.bundle, self.batch_size, max_len=self.max_len, runtime=self.runtime,
-                               drafter=self.drafter)
-        self._codec = engine.codec
-        failed: list[tuple[Request, SpecdecError]] = []
-
-        def encoded() -> Iterator[BatchRequest]:
-            for req in pending:
-                try:
-                    ids = engine.encode(req.prompt)
-                except SpecdecError as e:
-                    failed.append((req, e))
-                    continue
-                yield BatchRequest(key=req, prompt_ids=tuple(ids), cfg=req.cfg)
-
-        for breq, result in engine.run(encoded()):
-            while failed:
-                yield failed.pop(0)
-            yield breq.key, result
-        yield from failed
+        yield from Generator(self.engine_spec()).results(pending)

@@ -74,7 +74,8 @@ def main() -> None:
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Bundle folder to write.")
 @click.option("--drafter", default="ngram", show_default=True,
               help="none | ngram | self-int8 | self-int4 | model:PATH (another specdec bundle).")
-@click.option("--precision", default="fp32", show_default=True, help="Target precision: fp32 | int8 | int4.")
+@click.option("--precision", default="fp32", show_default=True,
+              help="Target precision: fp32 | fp16 (for GPUs) | int8 | int4.")
 @click.option("--max-len", default=2048, show_default=True, help="Default KV buffer length (tokens).")
 @click.option("--draft-len", default=4, show_default=True, help="Default number of drafted tokens per round.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
@@ -105,10 +106,15 @@ def export(model, out_dir, drafter, precision, max_len, draft_len, force):
                f"drafter {cfg.drafter}) in {time.perf_counter() - t0:.0f} s")
 
 
-def _runtime_options(provider: str, threads: int):
+def _runtime_options(provider: str, threads: int, bundle: Path | None = None):
     from specdec.runtime.session import RuntimeOptions
 
-    return _build(RuntimeOptions, provider=provider, threads=threads)
+    trt_cache = None
+    if provider == "tensorrt" and bundle is not None:  # engines live in the bundle, as with a --device profile
+        from specdec.devices.setup import TRT_CACHE
+
+        trt_cache = str(Path(bundle) / TRT_CACHE)
+    return _build(RuntimeOptions, provider=provider, threads=threads, trt_cache_dir=trt_cache)
 
 
 def _gen_config(max_new_tokens, temperature, top_k, top_p, seed, draft_len, stop, chat=True):
@@ -159,7 +165,7 @@ def generation_options(fn):
 def _device_setup(device, bundle, provider, max_len, threads, drafter=None, cfg=None):
     """--device PROFILE: (runtime options, KV length, cfg with the profile's draft length); explicit flags win."""
     if device is None:
-        return _runtime_options(provider or "cpu", threads), max_len, cfg
+        return _runtime_options(provider or "cpu", threads, bundle), max_len, cfg
     import dataclasses
 
     from specdec.devices.setup import device_setup
@@ -270,17 +276,39 @@ def devices(bundle, notes):
 
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--to", "precision", required=True, help="int8 | int4 (weight-only, T-invariant kernels).")
+@click.option("--to", "precision", required=True,
+              help="fp16 (for GPUs) | int8 | int4 (weight-only, T-invariant kernels).")
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @friendly
 def quantize(bundle, precision, out_dir, force):
-    """Write a copy of an fp32 BUNDLE with its target quantized."""
+    """Write a copy of an fp32 BUNDLE with its target quantized (or converted to fp16)."""
     from specdec.quant.bundle import quantize_bundle
 
     quantize_bundle(bundle, out_dir, precision, force=force)
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
     click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, target {precision})")
+
+
+@main.command("build-engines")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--device", default=None, metavar="PROFILE",
+              help="GPU profile: TensorRT options and KV length (default: the one `specdec devices` suggests).")
+@click.option("--max-len", type=int, default=None, help="KV buffer length in tokens (default: the profile's).")
+@click.option("--rebuild", is_flag=True, help="Delete BUNDLE/trt_cache first (engines of another GPU or TensorRT).")
+@friendly
+def build_engines_cmd(bundle, device, max_len, rebuild):
+    """Build BUNDLE's TensorRT engines on this GPU into BUNDLE/trt_cache and record what built them.
+
+    Engines are tied to one GPU model and TensorRT version: build them on the device that runs the bundle.
+    Without this, the first TensorRT run builds them (minutes).
+    """
+    from specdec.devices.setup import TRT_CACHE, build_engines
+
+    t0 = time.perf_counter()
+    record = build_engines(bundle, device=device, max_len=max_len, rebuild=rebuild)
+    click.echo(f"TensorRT engines for {', '.join(record.graphs)} in {Path(bundle) / TRT_CACHE} "
+               f"({record.builder.describe()}) in {time.perf_counter() - t0:.0f} s")
 
 
 @main.command("quant-report")
@@ -379,26 +407,43 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, th
               help="Override the bundle's drafter (batch size > 1: none, ngram or model).")
 @click.option("--max-new-tokens", default=256, show_default=True, help="Default for lines that do not set it.")
 @click.option("--max-len", type=int, default=None, help="KV buffer length in tokens (default: the bundle's).")
-@click.option("--threads", default=0, show_default=True, help="Intra-op threads (0 = all cores).")
+@click.option("--threads", default=0, show_default=True,
+              help="Intra-op threads (0 = all cores; with --ray: per worker, and the CPUs each worker takes, 0 = 1).")
 @click.option("--force", is_flag=True, help="Add to an output written with another bundle or other settings.")
+@click.option("--ray", "use_ray", is_flag=True,
+              help="Generate on a Ray cluster (one worker per CPU slot); needs pip install 'specdec[ray]'.")
+@click.option("--ray-address", default=None, metavar="ADDR",
+              help="Ray cluster to join (auto, or HEAD_IP:6379); default: $RAY_ADDRESS, else a new local cluster.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Ray workers (default: one per CPU slot of the cluster, CPUs // --threads).")
 @friendly
 def batch(bundle, input_path, output, errors_path, batch_size, draft_len, drafter, max_new_tokens, max_len, threads,
-          force):
+          force, use_ray, ray_address, workers):
     """Generate for every line of IN (JSONL: id + prompt or messages) into OUT; rerun to resume.
 
     Each output line is {"id", "text", "finish_reason", "stats"}, appended whole as each request finishes.
     Ids already in OUT are skipped, so rerunning the same command after a crash or Ctrl-C resumes it. Bad
-    lines go to the errors file and the job goes on (exit 0; the summary counts them).
+    lines go to the errors file and the job goes on (exit 0; the summary counts them). With --ray the
+    generation runs on Ray workers (the bundle must be at the same path on every node); this process still
+    reads the input and writes every line, so the output and resuming are the same as without it.
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from specdec.batch import DEFAULT_BATCH_SIZE, DEFAULT_DRAFT_LEN, BatchJob
 
+    if (ray_address is not None or workers is not None) and not use_ray:
+        raise SpecdecError("--ray-address and --workers apply to Ray runs only", "add --ray")
+    ray_opts = None
+    if use_ray:
+        from specdec.scaleout import RayOptions, import_ray
+
+        import_ray()  # a missing Ray is one line now, not after the input has been read
+        ray_opts = _build(RayOptions, address=ray_address, workers=workers)
     job = BatchJob(bundle, input_path, output, errors_path, batch_size=batch_size or DEFAULT_BATCH_SIZE,
                    drafter=drafter, draft_len=DEFAULT_DRAFT_LEN if draft_len is None else draft_len,
                    max_new_tokens=max_new_tokens, max_len=max_len,
-                   runtime=_runtime_options("cpu", threads), force=force)
+                   runtime=_runtime_options("cpu", threads), force=force, ray=ray_opts)
     c = job.counts
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[tok_s]:.1f} tok/s"), TextColumn("ETA"), TimeRemainingColumn(),

@@ -288,3 +288,26 @@ def test_chat_session(tiny_bundle):
     stats = [line for line in err.splitlines() if "tok/s" in line and "tau" in line]
     assert len(stats) == 2, err
     assert "(conversation cleared)" in err
+
+
+# ----------------------------------------------------------------------------------------------- fp16
+
+def test_export_and_quantize_fp16_then_generate_needs_a_gpu(tmp_path, tiny_checkpoint, tiny_bundle, monkeypatch):
+    code, out, err = run_cli("export", tiny_checkpoint, "-o", tmp_path / "e16", "--precision", "fp16",
+                             "--drafter", "none", "--max-len", 128)
+    assert code == 0, err
+    assert "target fp16" in out
+    code, out, err = run_cli("quantize", tiny_bundle, "--to", "fp16", "-o", tmp_path / "q16")
+    assert code == 0, err
+    assert "target fp16" in out
+    for bundle in ("e16", "q16"):
+        manifest = json.loads((tmp_path / bundle / "specdec.json").read_text())
+        assert manifest["graphs"]["target"]["precision"] == "fp16"
+        assert_one_error(run_cli("generate", tmp_path / bundle, "hello"), "fp16 is a GPU precision",
+                         "--provider cuda", "--precision fp32|int8|int4")
+    assert_one_error(run_cli("quantize", tmp_path / "q16", "--to", "int8", "-o", tmp_path / "q8"), "is fp16",
+                     "fp32 bundles only")
+    monkeypatch.setenv("SPECDEC_ALLOW_CPU_FP16", "1")  # the tests' override: ORT's CPU kernels do run fp16
+    code, out, err = run_cli("generate", tmp_path / "e16", "the quick brown fox", "--max-new-tokens", 6)
+    assert code == 0, err
+    assert out.strip() and "tok/s" in err

@@ -7,6 +7,7 @@ the real CUDA / TensorRT paths and skip cleanly where onnxruntime has no such pr
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import stat
 import subprocess
@@ -27,6 +28,7 @@ from specdec.devices.memory import (GiB, MiB, SMOLLM2_135M, KVShape, WeightPart,
                                     estimate_weight_bytes, kv_bytes_per_token, plan_for_model, plan_kv)
 from specdec.devices.setup import check_provider, device_setup, plan_for_bundle
 from specdec.runtime import decoder as decoder_mod
+from specdec.runtime import trt_engines as trt
 from specdec.runtime.decoder import MAX_STEP, Decoder, logits_on_device
 from specdec.runtime.kv import KVCache
 from specdec.runtime.manifest import ModelConfig, read_manifest
@@ -573,3 +575,168 @@ def test_gpu_check_dry_run_on_cpu(tiny_bundle):
     assert [r[1] for r in rows] == ["plain", "model:4", "ngram:4"]
     assert rows[1][-1] == "yes" and rows[2][-1] == "yes" and float(rows[1][3]) > 1.5  # identical; tau of the self-draft
     assert "tensorrt" in proc.stdout and "DRY RUN" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------- TensorRT engine records
+
+
+RTX4090 = trt.EngineBuilder("NVIDIA GeForce RTX 4090", "8.9", "10.3.0", "1.32.0")
+ORIN = trt.EngineBuilder("Orin", "8.7", "10.3.0", "1.32.0")
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """This machine as an RTX 4090 with TensorRT 10.3.0; tests change the returned values to move it."""
+    machine = {"gpu": ("NVIDIA GeForce RTX 4090", "8.9"), "trt": "10.3.0"}
+    monkeypatch.setattr(trt, "read_gpu", lambda device_id=0: machine["gpu"])
+    monkeypatch.setattr(trt, "read_tensorrt_version", lambda: machine["trt"])
+    monkeypatch.setattr(trt, "read_onnxruntime_version", lambda: "1.32.0")
+    return machine
+
+
+def _fake_graph(tmp_path, weights=b"weights v1") -> Path:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir(exist_ok=True)
+    (bundle / "target.onnx").write_bytes(b"graph")
+    (bundle / "target.onnx.data").write_bytes(weights)
+    return bundle / "target.onnx"
+
+
+def test_engine_record_validates_and_round_trips():
+    rec = trt.EngineCacheRecord(RTX4090, {"target.onnx": "a" * 64, "draft.onnx": "b" * 64}, created_by="specdec x")
+    back = trt.EngineCacheRecord.from_dict(json.loads(rec.to_json()))
+    assert back == rec and list(json.loads(rec.to_json())["graphs"]) == ["draft.onnx", "target.onnx"]
+    with pytest.raises(TypeError):
+        rec.graphs["x"] = "c" * 64  # frozen all the way down
+    for bad, needle in [(dict(compute_capability="sm89"), "compute_capability"), (dict(gpu_name=" "), "gpu_name"),
+                        (dict(tensorrt_version="ten"), "tensorrt_version")]:
+        with pytest.raises(ValueError, match=needle):
+            dataclasses.replace(RTX4090, **bad)
+    with pytest.raises(ValueError, match="sha256"):
+        trt.EngineCacheRecord(RTX4090, {"target.onnx": "xyz"})
+    with pytest.raises(ValueError, match="not be empty"):
+        trt.EngineCacheRecord(RTX4090, {})
+    with pytest.raises(ValueError, match="unknown field"):
+        trt.EngineCacheRecord.from_dict({**json.loads(rec.to_json()), "extra": 1})
+    assert ORIN.mismatches(RTX4090) == ["GPU NVIDIA GeForce RTX 4090 here, Orin in the record",
+                                        "compute capability 8.9 here, 8.7 in the record"]
+    assert not RTX4090.mismatches(dataclasses.replace(RTX4090, onnxruntime_version="1.33.0"))  # recorded only
+
+
+def test_machine_readers_parse_and_fail_soft():
+    assert trt.tensorrt_version_from_int(100300) == "10.3.0"  # TensorRT 10: major*10000 + minor*100 + patch
+    assert trt.tensorrt_version_from_int(8601) == "8.6.1"  # TensorRT 8: major*1000 + minor*100 + patch
+    assert trt.parse_nvidia_smi_gpu("NVIDIA GeForce RTX 4090, 8.9\n") == ("NVIDIA GeForce RTX 4090", "8.9")
+    assert trt.parse_nvidia_smi_gpu("Orin, [N/A]") is None and trt.parse_nvidia_smi_gpu(None) is None
+    if not HAS_CUDA:  # this machine: no driver, no TensorRT; None, never an exception
+        assert trt.read_gpu() is None
+
+
+def test_current_builder_says_what_is_missing(fake_gpu):
+    assert trt.current_builder() == RTX4090
+    fake_gpu["trt"] = None
+    with pytest.raises(SpecdecError, match="TensorRT is not installed"):
+        trt.current_builder()
+    fake_gpu["gpu"] = None
+    with pytest.raises(SpecdecError, match="no NVIDIA GPU 0 found"):
+        trt.current_builder()
+
+
+def test_first_claim_records_the_device_and_graph(tmp_path, fake_gpu):
+    graph = _fake_graph(tmp_path)
+    cache = graph.parent / "trt_cache"
+    rec = trt.claim_engine_cache(cache, graph)
+    assert rec.builder == RTX4090 and rec.graphs == {"target.onnx": trt.graph_digest(graph)}
+    assert trt.read_engine_record(cache) == rec
+    on_disk = json.loads((cache / "engines.json").read_text())
+    assert on_disk["builder"] == {"gpu_name": "NVIDIA GeForce RTX 4090", "compute_capability": "8.9",
+                                  "tensorrt_version": "10.3.0", "onnxruntime_version": "1.32.0"}
+    assert trt.claim_engine_cache(cache, graph) == rec  # same machine, same graph: nothing to do
+    (graph.parent / "draft").mkdir()
+    draft = graph.parent / "draft" / "draft.onnx"
+    draft.write_bytes(b"draft graph")
+    assert set(trt.claim_engine_cache(cache, draft).graphs) == {"target.onnx", "draft/draft.onnx"}
+
+
+@pytest.mark.parametrize("move,needle", [
+    (lambda m: m.update(gpu=("NVIDIA GeForce RTX 3090", "8.6")), "GPU NVIDIA GeForce RTX 3090 here"),
+    (lambda m: m.update(gpu=("NVIDIA GeForce RTX 4090", "9.0")), "compute capability 9.0 here, 8.9 in the record"),
+    (lambda m: m.update(trt="10.4.0"), "TensorRT 10.4.0 here, 10.3.0 in the record"),
+])
+def test_engines_of_another_device_are_one_error_with_a_rebuild_hint(tmp_path, fake_gpu, move, needle):
+    graph = _fake_graph(tmp_path)
+    cache = graph.parent / "trt_cache"
+    trt.claim_engine_cache(cache, graph)
+    move(fake_gpu)
+    with pytest.raises(SpecdecError) as e:
+        trt.claim_engine_cache(cache, graph)
+    msg = str(e.value)
+    assert needle in msg and "were built for NVIDIA GeForce RTX 4090" in msg
+    assert f"delete {cache}" in msg and f"specdec build-engines {graph.parent} --rebuild" in msg
+
+
+def test_engines_of_another_graph_version_are_refused(tmp_path, fake_gpu):
+    graph = _fake_graph(tmp_path)
+    cache = graph.parent / "trt_cache"
+    trt.claim_engine_cache(cache, graph)
+    (graph.parent / "target.onnx.data").write_bytes(b"weights v2")  # same graph file, new weights
+    with pytest.raises(SpecdecError, match="built from another target.onnx"):
+        trt.claim_engine_cache(cache, graph)
+
+
+def test_engines_without_a_record_or_with_a_corrupt_one_are_refused(tmp_path, fake_gpu):
+    graph = _fake_graph(tmp_path)
+    cache = graph.parent / "trt_cache"
+    cache.mkdir()
+    (cache / "TensorrtExecutionProvider_TRTKernel_graph_1_0_sm89.engine").write_bytes(b"?")
+    with pytest.raises(SpecdecError, match="holds engines .* but no engines.json"):
+        trt.claim_engine_cache(cache, graph)
+    (cache / "engines.json").write_text("{not json")
+    with pytest.raises(SpecdecError, match="engines.json is invalid"):
+        trt.claim_engine_cache(cache, graph)
+
+
+def test_a_tensorrt_decoder_checks_the_record_before_its_session(tiny_bundle, tmp_path, fake_gpu, monkeypatch):
+    import shutil
+
+    bundle = shutil.copytree(tiny_bundle, tmp_path / "b")
+    cache = bundle / "trt_cache"
+    g = read_manifest(bundle).graphs["target"]
+    trt.write_engine_record(cache, trt.EngineCacheRecord(ORIN, {g.file: trt.graph_digest(bundle / g.file)}))
+    sessions = []
+    monkeypatch.setattr(decoder_mod, "make_session", lambda *a: sessions.append(a))
+    opts = RuntimeOptions(provider="tensorrt", trt_cache_dir=str(cache))
+    kv = KVCache(g.n_layers, 1, g.model.n_kv_heads, 64, g.model.head_dim)
+    with pytest.raises(SpecdecError, match="built for Orin"):
+        Decoder(bundle / g.file, g, g.model, kv, opts)
+    assert sessions == []  # no session, so no engine was loaded
+
+
+def test_build_engines_refuses_without_tensorrt_or_gpu(tiny_bundle, fake_gpu):
+    from specdec.devices.setup import build_engines
+
+    with pytest.raises(SpecdecError) as e:
+        build_engines(tiny_bundle, available=CPU)
+    assert "cannot build TensorRT engines" in str(e.value) and "onnxruntime-gpu" in str(e.value)
+    with pytest.raises(SpecdecError, match="cannot build TensorRT engines"):
+        build_engines(tiny_bundle, available=CUDA)
+    fake_gpu["gpu"] = None
+    with pytest.raises(SpecdecError, match="no NVIDIA GPU"):
+        build_engines(tiny_bundle, available=TRT)
+    fake_gpu["gpu"] = ("Orin", "8.7")
+    with pytest.raises(SpecdecError, match="profile cpu has no GPU"):
+        build_engines(tiny_bundle, device="cpu", available=TRT)
+    assert not (tiny_bundle / "trt_cache").exists()
+
+
+@pytest.mark.skipif(HAS_TRT, reason="this onnxruntime has TensorRT")
+def test_cli_build_engines_without_tensorrt(tiny_bundle):
+    one_error(run_cli("build-engines", tiny_bundle), "cannot build TensorRT engines", "TensorRT")
+
+
+def test_cli_provider_tensorrt_keeps_engines_in_the_bundle(tiny_bundle):
+    from specdec.cli import _device_setup
+
+    runtime, _, _ = _device_setup(None, tiny_bundle, "tensorrt", None, 0)
+    assert runtime.trt_cache_dir == str(Path(tiny_bundle) / "trt_cache")
+    assert _device_setup(None, tiny_bundle, "cuda", None, 0)[0].trt_cache_dir is None

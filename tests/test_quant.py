@@ -7,6 +7,7 @@ import pytest
 import specdec
 from specdec import GenerationConfig, SpecdecError
 from specdec.quant.report import compare_logits, quant_report, t_invariance
+from specdec.runtime.session import RuntimeOptions
 
 PROMPTS = ["the quick brown fox", "hello world, this is"]
 
@@ -67,6 +68,104 @@ def test_quantize_errors(tiny_bundle, quantized, tmp_path):
     with pytest.raises(SpecdecError, match="already quantized"):
         quantize_bundle(quantized["int8"], tmp_path / "x", "int4")
     with pytest.raises(SpecdecError, match="unknown precision"):
-        quantize_bundle(tiny_bundle, tmp_path / "y", "fp16")
+        quantize_bundle(tiny_bundle, tmp_path / "y", "bf16")
     with pytest.raises(SpecdecError, match="already exists"):
         quantize_bundle(tiny_bundle, quantized["int8"], "int8")
+
+
+# ----------------------------------------------------------------------------------------------- fp16
+
+CPU_FP16 = RuntimeOptions(allow_cpu_fp16=True)  # ORT's CPU kernels take fp16: the tests' way to run it
+
+
+@pytest.fixture(scope="module")
+def fp16(tiny_checkpoint, tiny_bundle, tmp_path_factory):
+    """The tiny model's fp16 bundle both ways: exported from the checkpoint, and converted from the fp32 bundle."""
+    from specdec.export.bundle import ExportConfig, export_bundle
+    from specdec.quant.bundle import quantize_bundle
+
+    root = tmp_path_factory.mktemp("fp16")
+    export_bundle(tiny_checkpoint, root / "exported", ExportConfig(drafter="self-int8", precision="fp16", max_len=256))
+    return {"exported": root / "exported", "quantized": quantize_bundle(tiny_bundle, root / "quantized", "fp16")}
+
+
+def _teacher_forced_logits(engine, prompt: str, tokens: list[int]) -> np.ndarray:
+    """The target's logits [1 + len(tokens), vocab] (float32) after the prompt and after each forced token."""
+    dec = engine.target
+    dec.kv.reset()
+    engine.cached_ids = []
+    rows = [dec.prefill(np.asarray([engine.encode(prompt)], dtype=np.int64))[0].astype(np.float32)]
+    for t in tokens:
+        rows.append(dec.forward(np.asarray([[t]], dtype=np.int64))[0, -1].astype(np.float32))
+        dec.kv.advance(1)
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("how", ["exported", "quantized"])
+def test_fp16_bundle_records_precision_and_its_check(fp16, how):
+    from specdec.export.verify import FP16_RELATIVE_TOLERANCE
+    from specdec.runtime.manifest import read_manifest
+
+    g = read_manifest(fp16[how]).graphs["target"]
+    assert g.precision == "fp16" and g.kv_dtype == np.float16 and g.quant == {}
+    ref = "transformers" if how == "exported" else "fp32_graph"
+    diff, scale = g.checks[f"max_abs_logit_diff_vs_{ref}"], g.checks[f"max_abs_logit_{ref}"]
+    assert g.checks["tolerance"] == pytest.approx(FP16_RELATIVE_TOLERANCE * max(1.0, scale))
+    assert 0 < diff < 0.01 * scale  # fp16 rounding (measured ~4e-3 of the scale), far inside the tolerance
+
+
+@pytest.mark.parametrize("how", ["exported", "quantized"])
+def test_fp16_bundle_decodes_on_cpu_with_the_override_close_to_fp32(tiny_bundle, fp16, how):
+    e32 = specdec.load(tiny_bundle, drafter="none")
+    e16 = specdec.load(fp16[how], drafter="none", runtime=CPU_FP16)
+    assert e16.target.kv.dtype == np.float16
+    for prompt in PROMPTS:
+        greedy = e32.generate(prompt, GenerationConfig(max_new_tokens=12, draft_len=0)).token_ids
+        l32 = _teacher_forced_logits(e32, prompt, greedy)
+        l16 = _teacher_forced_logits(e16, prompt, greedy)
+        scale = np.abs(l32).max()
+        # fp16 rounds every op to 2**-11 relative: measured < 5e-3 of the largest logit on this model.
+        assert np.abs(l16 - l32).max() < 0.01 * scale
+        # Top-1 agrees wherever fp32's lead is beyond that error (a closer race may go either way).
+        top2 = np.sort(l32, axis=-1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 2 * 0.01 * scale
+        assert clear.sum() >= len(greedy) // 2
+        assert (l16.argmax(-1) == l32.argmax(-1))[clear].all()
+
+
+def test_fp16_speculation_stays_within_fp16_rounding(fp16):
+    """A T-token fp16 step rounds a little differently from T single steps (one fp16 ulp, FACTS-style
+    measurement: <= 2e-3 on this model), unlike fp32 (~1e-6). Greedy speculation is therefore identical to
+    plain greedy except where the top two fp16 logits are within an ulp: the self-draft must still verify."""
+    e = specdec.load(fp16["exported"], drafter="model", runtime=CPU_FP16)
+    ids = e.encode(PROMPTS[0]) + [5, 6, 7, 8, 9]
+    assert t_invariance(e.target, ids) < 5e-3
+    e.use_drafter("none")
+    e.reset()
+    plain = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=24, draft_len=0))
+    e.use_drafter("model")
+    e.reset()
+    spec = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=24, draft_len=4))
+    assert spec.stats.target_forwards < plain.stats.target_forwards and spec.stats.accepted > 0
+    i = next((i for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)) if a != b), None)
+    if i is not None:  # a divergence is only allowed at a tie within fp16 rounding
+        logits = _teacher_forced_logits(e, PROMPTS[0], plain.token_ids[:i])[-1]
+        assert abs(logits[plain.token_ids[i]] - logits[spec.token_ids[i]]) <= 5e-3, (i, plain.token_ids, spec.token_ids)
+
+
+def test_fp16_bundle_on_the_cpu_provider_is_one_clear_error(fp16):
+    with pytest.raises(SpecdecError) as e:
+        specdec.load(fp16["exported"])
+    assert "fp16 is a GPU precision" in str(e.value) and "--provider cuda" in str(e.value)
+    assert "--precision fp32|int8|int4" in str(e.value)
+
+
+def test_quantize_refuses_fp16_and_quantized_sources(fp16, quantized, tmp_path):
+    from specdec.quant.bundle import quantize_bundle
+
+    for to in ("int8", "int4", "fp16"):
+        with pytest.raises(SpecdecError, match="is fp16; specdec quantize converts fp32 bundles only"):
+            quantize_bundle(fp16["exported"], tmp_path / to, to)
+    with pytest.raises(SpecdecError, match=r"already quantized \(int8\)"):
+        quantize_bundle(quantized["int8"], tmp_path / "x", "fp16")
+    assert not list(tmp_path.iterdir())  # refused before anything was written

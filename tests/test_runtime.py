@@ -53,6 +53,7 @@ def test_speculative_greedy_is_token_identical(engines, drafter, k):
 
 
 def test_self_draft_accepts_most_tokens(engines):
+    engines["model"].drafter.confidence_stop = 0.0  # a random tiny model is never confident: draft all k
     g = engines["model"].generate(PROMPTS[0], GenerationConfig(max_new_tokens=40, draft_len=4))
     assert g.stats.tau > 2.0  # an int8 copy of the target agrees with it almost always
     assert g.stats.target_forwards < len(g.token_ids)
@@ -169,7 +170,7 @@ def test_adaptive_draft_len_is_lossless_and_adapts(engines):
     e = engines["model"]
     g = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=40, draft_len="auto"))
     assert g.token_ids == plain.token_ids
-    verify, _ = e._costs
+    verify, _ = e._costs["model"]
     assert len(verify) >= 2 and all(t > 0 for t in verify)
 
 
@@ -221,3 +222,18 @@ def test_adaptive_policy_probes_when_it_stops_drafting():
     for _ in range(30):  # probes that succeed raise the estimate the next choice is made from
         p.update(1, 1)
     assert p.acceptance > 0.9
+
+
+def test_draft_model_stops_at_low_confidence_without_changing_output(engines):
+    e, drafter = engines["model"], engines["model"].drafter
+    plain = engines["none"].generate(PROMPTS[0], GenerationConfig(max_new_tokens=24)).token_ids
+    try:
+        drafter.confidence_stop = 0.999  # every token of a tiny random model is below it: 1-token drafts
+        short = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=24, draft_len=4))
+        assert short.stats.drafted == short.stats.target_forwards  # one draft token per round
+        drafter.confidence_stop = 0.0
+        full = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=24, draft_len=4))
+        assert full.stats.drafted > full.stats.target_forwards
+    finally:
+        drafter.confidence_stop = 0.4
+    assert short.token_ids == full.token_ids == plain

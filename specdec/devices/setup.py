@@ -5,9 +5,13 @@
 
 The provider check comes first, before any file is read: a GPU profile on a machine whose onnxruntime has
 no CUDA fails at once, saying which provider the profile needs and suggesting `--device cpu`.
+
+`build_engines` (`specdec build-engines`) builds a bundle's TensorRT engines into `BUNDLE/trt_cache` on the
+device that will run them; the cache's `engines.json` records what built them (specdec.runtime.trt_engines).
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -18,6 +22,7 @@ from specdec.devices.profiles import DeviceProfile, get_profile
 from specdec.errors import SpecdecError
 from specdec.runtime.manifest import Manifest, read_manifest
 from specdec.runtime.session import PROVIDERS, RuntimeOptions
+from specdec.runtime.trt_engines import EngineCacheRecord, current_builder, read_engine_record
 
 TRT_CACHE = "trt_cache"  # TensorRT engine cache folder inside the bundle
 _LABEL = {"cpu": "CPU", "cuda": "CUDA", "tensorrt": "TensorRT"}
@@ -110,3 +115,54 @@ def device_setup(name: str, bundle: str | Path, provider: str | None = None, max
             return DeviceSetup(profile, runtime, max_len, profile.draft_len, None)
     plan = plan_for_bundle(profile, Path(bundle), manifest, detected, drafter, max_len)
     return DeviceSetup(profile, runtime, plan.kv_len, profile.draft_len, plan)
+
+
+def build_engines(bundle: str | Path, device: str | None = None, max_len: int | None = None, rebuild: bool = False,
+                  available: Sequence[str] | None = None, detected: DetectedDevice | None = None) -> EngineCacheRecord:
+    """Build the TensorRT engines of `bundle`'s target and draft graphs on this GPU, cached in the bundle.
+
+    Refuses, before touching the bundle, where engines cannot be built: no TensorRT/CUDA execution provider,
+    no GPU or no TensorRT library. `device` is the profile whose TensorRT options (workspace, fp16) and KV
+    length are used (default: the one `specdec devices` suggests). `rebuild` deletes the cache first, for
+    a cache another GPU or TensorRT version built. Returns the cache's record.
+    """
+    import numpy as np
+
+    import specdec
+    from specdec.runtime.decoder import MAX_STEP
+
+    bundle = Path(bundle)
+    if available is None:
+        import onnxruntime as ort
+
+        available = ort.get_available_providers()
+    try:
+        check_provider("tensorrt", available)
+    except SpecdecError as e:
+        raise SpecdecError(f"cannot build TensorRT engines: {e.message}",
+                           "build them on the device that runs the bundle, with an onnxruntime-gpu that has "
+                           "TensorRT (engines are tied to one GPU model and TensorRT version)") from None
+    current_builder()  # no GPU / no TensorRT library: a clear error before anything is loaded
+    if device is None:
+        detected = detected or detect(providers=available)
+        device = detected.suggested
+    if not get_profile(device).gpu:
+        raise SpecdecError(f"device profile {device} has no GPU to build TensorRT engines for",
+                           "pass --device with a GPU profile (`specdec devices` lists them)")
+    manifest = read_manifest(bundle, verify_checksums=False)  # a wrong path fails before the cache is deleted
+    if rebuild:
+        shutil.rmtree(bundle / TRT_CACHE, ignore_errors=True)
+    setup = device_setup(device, bundle, provider="tensorrt", max_len=max_len, available=available, detected=detected)
+    engine = specdec.load(bundle, max_len=setup.max_len, runtime=setup.runtime,
+                          drafter="model" if manifest.drafter.graph else "none")
+    # onnxruntime builds engines for the input shapes it sees and rebuilds when a shape leaves the range
+    # built for: run the narrowest and the widest step once (a decode step, a prefill chunk), so the engines
+    # cover every width the runtime uses. The K/V written are past the valid length: nothing is kept.
+    decoders = [engine.target] + ([engine.drafter.decoder] if engine.drafter is not None else [])
+    for dec in decoders:
+        for width in (1, min(MAX_STEP, dec.kv.max_len)):
+            dec.forward(np.zeros((1, width), dtype=np.int64))
+    record = read_engine_record(bundle / TRT_CACHE)  # written by the Decoders as they claimed the cache
+    if record is None:
+        raise SpecdecError(f"no engine record was written in {bundle / TRT_CACHE}", "please report this")
+    return record

@@ -11,17 +11,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 import specdec
 from specdec.errors import SpecdecError
 from specdec.export.graph import (CONTROL_INPUTS, build_decoder_graph, kv_input_names, kv_output_names,
                                   model_config_from_hf, save_graph, weights_from_torch)
-from specdec.export.verify import FP32_TOLERANCE, max_logit_diff
+from specdec.export.verify import check_logits
 from specdec.quant.weight_only import SELF_DRAFT_PRESETS, TARGET_PRESETS, quantize_weights
 from specdec.runtime.manifest import (MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
                                       read_manifest, sha256_file)
 from specdec.runtime.tokenizer import vocab_digest
 
 DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "model:PATH")
+# fp16 is for GPUs (a CPU runs the fp32 graph faster); int8/int4 are weight-only with fp32 activations.
+EXPORT_PRECISIONS = ("fp32", "fp16", *TARGET_PRESETS)
 
 
 @dataclass(frozen=True)
@@ -34,8 +38,8 @@ class ExportConfig:
     force: bool = False
 
     def __post_init__(self) -> None:
-        if self.precision not in ("fp32", *TARGET_PRESETS):
-            raise SpecdecError(f"unknown precision {self.precision!r}", f"choose one of fp32, {', '.join(TARGET_PRESETS)}")
+        if self.precision not in EXPORT_PRECISIONS:
+            raise SpecdecError(f"unknown precision {self.precision!r}", f"choose one of {', '.join(EXPORT_PRECISIONS)}")
         if not (self.drafter in DRAFTERS[:-1] or self.drafter.startswith("model:")):
             raise SpecdecError(f"unknown drafter {self.drafter!r}", f"choose one of {', '.join(DRAFTERS)}")
         if self.max_len <= 0 or self.draft_len <= 0:
@@ -81,20 +85,24 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         L = model_cfg.n_layers
 
         step(f"writing target graph ({cfg.precision})")
-        if cfg.precision == "fp32":
-            save_graph(build_decoder_graph(model_cfg, weights), partial / "target.onnx")
-            graphs["target"] = _graph_spec("target.onnx", model_cfg, "fp32", L)
+        if cfg.precision in ("fp32", "fp16"):
+            dtype = np.float16 if cfg.precision == "fp16" else np.float32
+            save_graph(build_decoder_graph(model_cfg, weights, dtype=dtype), partial / "target.onnx")
+            graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L)
         else:
             qcfg = TARGET_PRESETS[cfg.precision]
             save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
                        partial / "target.onnx")
             graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, quant=qcfg.to_dict())
         step("checking target graph against transformers")
-        diff = max_logit_diff(source.model, partial / "target.onnx", graphs["target"])
-        if cfg.precision == "fp32" and diff > FP32_TOLERANCE:
-            raise SpecdecError(f"exported graph disagrees with transformers: max |logit diff| {diff:.2e} > "
-                               f"{FP32_TOLERANCE:.0e}", "please report this model; the graph writer mis-handles it")
-        graphs["target"] = replace(graphs["target"], checks={"max_abs_logit_diff_vs_transformers": diff})
+        check = check_logits(source.model, partial / "target.onnx", graphs["target"])
+        if not check.passes(cfg.precision):
+            hint = "please report this model; the graph writer mis-handles it"
+            if cfg.precision == "fp16":  # a correct graph can still overflow fp16's range on some models
+                hint = "this model may not fit fp16's range; export with --precision fp32 (or int8/int4), or report it"
+            raise SpecdecError(f"exported {cfg.precision} graph disagrees with transformers: max |logit diff| "
+                               f"{check.max_abs_diff:.2e} > {check.tolerance(cfg.precision):.1e}", hint)
+        graphs["target"] = replace(graphs["target"], checks=check.to_checks(cfg.precision))
 
         step("writing tokenizer")
         tok = source.tokenizer
@@ -115,8 +123,8 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
                        partial / "draft.onnx")
             graphs["draft"] = _graph_spec("draft.onnx", model_cfg, f"int{qcfg.bits}", L, quant=qcfg.to_dict())
-            diff = max_logit_diff(source.model, partial / "draft.onnx", graphs["draft"])
-            graphs["draft"] = replace(graphs["draft"], checks={"max_abs_logit_diff_vs_transformers": diff})
+            check = check_logits(source.model, partial / "draft.onnx", graphs["draft"])
+            graphs["draft"] = replace(graphs["draft"], checks=check.to_checks(graphs["draft"].precision))
             drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.draft_len)
         elif draft_bundle is not None:
             step(f"copying draft model from {draft_bundle}")

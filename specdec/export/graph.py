@@ -11,6 +11,8 @@ Inputs  input_ids [B,T] int64, position_ids [B,T] int64, seqlens_k [B] int32 (= 
 Outputs logits [B,T,vocab], present.{i}.key / present.{i}.value (the same buffers),
         hidden.{l} [B,T,hidden] for each requested tap l: the residual stream after the first l layers
         (0 = embeddings, n_layers = before the final norm).
+Float tensors (weights, activations, KV buffers, logits, taps) are all of the graph's one float type, fp32
+or fp16 (`dtype`); ids, positions and lengths stay integers.
 """
 from __future__ import annotations
 
@@ -120,16 +122,21 @@ def kv_output_names(n_layers: int) -> list[str]:
 
 
 CONTROL_INPUTS = ("input_ids", "position_ids", "seqlens_k", "total_sequence_length", "query_lens")
+# The graph float types: every float tensor of a graph is one of these (GroupQueryAttention,
+# SkipSimplifiedLayerNormalization and SimplifiedLayerNormalization take one type for all their float inputs).
+GRAPH_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
 class _Builder:
-    def __init__(self) -> None:
+    def __init__(self, dtype=np.float32) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
+        self.dtype = np.dtype(dtype)
         self._n = 0
 
     def init(self, name: str, arr: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        """A float initializer, rounded once from its source precision to the graph's float type."""
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=self.dtype), name))
         return name
 
     def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", name: str | None = None,
@@ -142,8 +149,13 @@ class _Builder:
 
 
 def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tuple[int, ...] = (),
-                        n_layers: int | None = None) -> onnx.ModelProto:
-    """Write the decoder as ONNX. `n_layers` < cfg.n_layers keeps only the first layers (early exit)."""
+                        n_layers: int | None = None, dtype=np.float32) -> onnx.ModelProto:
+    """Write the decoder as ONNX. `n_layers` < cfg.n_layers keeps only the first layers (early exit).
+
+    `dtype` (np.float32 or np.float16) is the float type of every weight, activation, KV buffer and output.
+    """
+    if np.dtype(dtype) not in [np.dtype(t) for t in GRAPH_DTYPES.values()]:
+        raise ValueError(f"graph dtype must be float32 or float16, got {np.dtype(dtype)}")
     n_layers = cfg.n_layers if n_layers is None else n_layers
     if not 0 < n_layers <= cfg.n_layers:
         raise ValueError(f"n_layers must be in 1..{cfg.n_layers}, got {n_layers}")
@@ -151,13 +163,15 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     if bad_taps:
         raise ValueError(f"hidden taps {bad_taps} outside 0..{n_layers}")
     D, N, KV, H = cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    b = _Builder()
+    b = _Builder(dtype)
     eps = float(cfg.rms_eps)
+    float_type = helper.np_dtype_to_tensor_dtype(b.dtype)
 
-    # Rotary tables for every position the model may see; cos/sin are [max_position, H/2].
+    # Rotary tables for every position the model may see; cos/sin are [max_position, H/2], computed in
+    # float64 and rounded once to the graph's type (GroupQueryAttention wants them in the type of Q).
     t = np.arange(cfg.max_position, dtype=np.float64)[:, None] * w.inv_freq.astype(np.float64)[None, :]
-    cos = b.init("rope.cos", (np.cos(t) * w.rope_scale).astype(np.float32))
-    sin = b.init("rope.sin", (np.sin(t) * w.rope_scale).astype(np.float32))
+    cos = b.init("rope.cos", np.cos(t) * w.rope_scale)
+    sin = b.init("rope.sin", np.sin(t) * w.rope_scale)
     if w.lm_head is None:
         # Tied head: store the matrix once, as the head's [D, V] MatMul weight (MatMul beats Gemm with
         # transB at verification widths), and look embeddings up as its columns.
@@ -209,7 +223,7 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     tap_outputs = []
     for t_idx in hidden_layers:
         b.op("Identity", [taps[t_idx]], outputs=[f"hidden.{t_idx}"], name=f"tap.{t_idx}")
-        tap_outputs.append(helper.make_tensor_value_info(f"hidden.{t_idx}", TensorProto.FLOAT, ["batch", "seq", D]))
+        tap_outputs.append(helper.make_tensor_value_info(f"hidden.{t_idx}", float_type, ["batch", "seq", D]))
 
     kv_shape = ["batch", KV, "max_len", H]
     inputs = [
@@ -218,9 +232,9 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
         helper.make_tensor_value_info("query_lens", TensorProto.INT32, ["batch"]),
-    ] + [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in kv_input_names(n_layers)]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", cfg.vocab_size])]
-    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in kv_output_names(n_layers)]
+    ] + [helper.make_tensor_value_info(n, float_type, kv_shape) for n in kv_input_names(n_layers)]
+    outputs = [helper.make_tensor_value_info("logits", float_type, ["batch", "seq", cfg.vocab_size])]
+    outputs += [helper.make_tensor_value_info(n, float_type, kv_shape) for n in kv_output_names(n_layers)]
     outputs += tap_outputs
     graph = helper.make_graph(b.nodes, "specdec_decoder", inputs, outputs, initializer=b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],

@@ -1,4 +1,4 @@
-"""`specdec quantize`: a quantized copy of an fp32 bundle (target graph; tokenizer and drafter copied)."""
+"""`specdec quantize`: an int8/int4 or fp16 copy of an fp32 bundle (target graph; tokenizer and drafter copied)."""
 from __future__ import annotations
 
 import shutil
@@ -11,6 +11,7 @@ from onnx import numpy_helper
 
 from specdec.errors import SpecdecError
 from specdec.export.graph import save_graph
+from specdec.export.verify import check_against_graph
 from specdec.quant.weight_only import TARGET_PRESETS, quantize_weights
 from specdec.runtime.manifest import MANIFEST_NAME, read_manifest, sha256_file
 
@@ -31,12 +32,32 @@ def untie_embedding(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+QUANTIZE_PRECISIONS = ("fp16", *TARGET_PRESETS)
+
+
+def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every float tensor of an fp32 specdec graph as fp16: weights, activations, KV buffers, logits.
+
+    onnxruntime's converter with keep_io_types=False, so the KV inputs/outputs and logits become fp16 too
+    (the runtime binds fp16 KV buffers; ids, positions and lengths are ints and stay so). Shape inference is
+    off: onnx refuses it on protos over 2 GB (a 1B model in fp32), and no node of a specdec graph needs
+    inferred types, since every one takes the graph's single float type. Weights beyond fp16's range are
+    clamped to +-65504 rather than becoming inf.
+    """
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    return convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=True)
+
+
 def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False) -> Path:
-    if precision not in TARGET_PRESETS:
+    if precision not in QUANTIZE_PRECISIONS:
         raise SpecdecError(f"unknown precision {precision!r} for quantize",
-                           f"choose one of {', '.join(TARGET_PRESETS)} (fp16 is a GPU precision: export it with a GPU profile)")
+                           f"choose one of {', '.join(QUANTIZE_PRECISIONS)}")
     m = read_manifest(src)
     g = m.graphs["target"]
+    if g.precision == "fp16":  # rounding fp16 weights again would stack a second rounding on the first
+        raise SpecdecError(f"bundle {src} is fp16; specdec quantize converts fp32 bundles only",
+                           f"quantize the fp32 bundle it came from, or export with --precision {precision}")
     if g.precision != "fp32":
         raise SpecdecError(f"bundle {src} is already quantized ({g.precision})", "quantize an fp32 bundle")
     if dst.exists() and not force:
@@ -50,11 +71,22 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False) -
                 continue
             (partial / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / rel, partial / rel)
-        cfg = TARGET_PRESETS[precision]
-        model = untie_embedding(onnx.load(str(src / g.file)))
-        save_graph(quantize_weights(model, cfg), partial / g.file)
+        if precision == "fp16":
+            save_graph(to_fp16(onnx.load(str(src / g.file))), partial / g.file)
+            target = replace(g, precision="fp16", quant={}, checks={})
+            check = check_against_graph(src / g.file, g, partial / g.file, target)
+            if not check.passes("fp16"):
+                raise SpecdecError(f"the fp16 graph disagrees with the fp32 one: max |logit diff| "
+                                   f"{check.max_abs_diff:.2e} > {check.tolerance('fp16'):.1e}",
+                                   "this model may not fit fp16's range; keep fp32, or quantize --to int8")
+            target = replace(target, checks=check.to_checks("fp16"))
+        else:
+            cfg = TARGET_PRESETS[precision]
+            model = untie_embedding(onnx.load(str(src / g.file)))
+            save_graph(quantize_weights(model, cfg), partial / g.file)
+            target = replace(g, precision=precision, quant=cfg.to_dict(), checks={})
         files = {p.relative_to(partial).as_posix(): sha256_file(p) for p in sorted(partial.rglob("*")) if p.is_file()}
-        graphs = {**m.graphs, "target": replace(g, precision=precision, quant=cfg.to_dict(), checks={})}
+        graphs = {**m.graphs, "target": target}
         manifest = replace(m, graphs=graphs, files=files)
         (partial / MANIFEST_NAME).write_text(manifest.to_json())
         if dst.exists():

@@ -53,6 +53,7 @@ from specdec.runtime.decoder import MAX_STEP, Decoder
 from specdec.runtime.draft_len import (ACCEPT_EMA, ACCEPT_PRIOR, AdaptiveDraftLen, DraftLenPolicy, choose_policy,
                                        median_seconds)
 from specdec.runtime.drafters.base import Draft
+from specdec.runtime.drafters.draft_model import CONFIDENCE_STOP, draft_confidence
 from specdec.runtime.drafters.ngram import NgramDrafter
 from specdec.runtime.engine import AUTO_K_MAX, Engine, Generation, GenerationConfig, OutputText
 from specdec.runtime.kv import KVCache
@@ -172,9 +173,10 @@ class BatchedModelDrafter:
     (query_lens 0) for the remaining steps.
     """
 
-    def __init__(self, decoder: Decoder) -> None:
+    def __init__(self, decoder: Decoder, confidence_stop: float = CONFIDENCE_STOP) -> None:
         self.dec = BatchedDecoder(decoder)
         self.kv = decoder.kv
+        self.confidence_stop = confidence_stop  # as ModelDrafter's: a row stops drafting after an unsure token
         B = self.kv.batch
         self.ids: list[list[int]] = [[] for _ in range(B)]
         self._proposed: list[list[int]] = [[] for _ in range(B)]
@@ -215,6 +217,12 @@ class BatchedModelDrafter:
                     p_draft[r][i] = probs_from_logits(lo[-1], sampling)
                     tokens[r][i] = sample(p_draft[r][i], rng)
                 steps[r] = [int(tokens[r][i])]
+                p_row = None if p_draft[r] is None else p_draft[r][i]
+                if draft_confidence(lo[-1], int(tokens[r][i]), p_row) < self.confidence_stop:
+                    want[r] = i + 1  # the row goes idle for the remaining steps
+        for r, k in want.items():
+            tokens[r] = tokens[r][:k]  # [k]
+            p_draft[r] = None if p_draft[r] is None else p_draft[r][:k]  # [k, vocab]
         out = {}
         for r in rows:
             if r not in want:
@@ -305,7 +313,7 @@ class BatchedEngine:
     def _decoder(self, name: str) -> Decoder:
         g = self.manifest.graphs[name]
         kv = KVCache(g.n_layers, self.batch_size, g.model.n_kv_heads, self.max_len, g.model.head_dim,
-                     device=self.runtime.device, device_id=self.runtime.device_id)
+                     device=self.runtime.device, device_id=self.runtime.device_id, dtype=g.kv_dtype)
         return Decoder(self.path / g.file, g, g.model, kv, self.runtime)
 
     # ------------------------------------------------------------------------------------------ policy

@@ -13,9 +13,16 @@ from typing import Callable, Protocol
 
 # Weight of the newest round in the running acceptance estimate: ~10 rounds of memory, so the
 # policy follows a prompt that switches from copying (n-gram hits) to free writing within a sentence.
+# A round of t trials counts as t observations (weight 1 - (1 - ACCEPT_EMA)^t), so one long draft
+# that is fully accepted moves the estimate as much as several one-token probes.
 ACCEPT_EMA = 0.1
-# Prior acceptance before any round is seen: the middle of what drafters reach on chat text.
-ACCEPT_PRIOR = 0.6
+# Prior acceptance before any round is seen. Optimistic on purpose: a drafter that disappoints is
+# dropped after a round or two, while one written off on a pessimistic prior waits PROBE_EVERY rounds
+# per probe to be tried again.
+ACCEPT_PRIOR = 0.8
+# Weight of the newest timing in the running step costs: the calibration's costs are a start, measured
+# at an empty cache and perhaps while the machine was busy; the steps actually run correct them.
+COST_EMA = 0.2
 # While the policy thinks drafting does not pay, it still drafts one token every this many rounds:
 # not drafting teaches nothing about acceptance, and a drafter written off on a poor prior or one
 # hard passage would otherwise never be tried again.
@@ -27,7 +34,10 @@ CALIBRATION_REPS = 3
 class DraftLenPolicy(Protocol):
     def next_k(self, limit: int) -> int: ...
 
-    def update(self, k: int, n_accepted: int) -> None: ...
+    def update(self, k: int, n_accepted: int, draft_s: float | None = None,
+               verify_s: float | None = None) -> None:
+        """After a round that drafted k tokens: how many were accepted, and (if timed) what drafting and
+        the k+1-token verification took."""
 
 
 @dataclass
@@ -41,7 +51,8 @@ class FixedDraftLen:
     def next_k(self, limit: int) -> int:
         return min(self.k, limit)
 
-    def update(self, k: int, n_accepted: int) -> None:
+    def update(self, k: int, n_accepted: int, draft_s: float | None = None,
+               verify_s: float | None = None) -> None:
         pass
 
 
@@ -76,12 +87,20 @@ class AdaptiveDraftLen:
         self.history.append(k)
         return k
 
-    def update(self, k: int, n_accepted: int) -> None:
+    def update(self, k: int, n_accepted: int, draft_s: float | None = None,
+               verify_s: float | None = None) -> None:
+        if verify_s is not None and k < len(self.verify_s):
+            self.verify_s[k] += COST_EMA * (verify_s - self.verify_s[k])
         if k == 0:
             return
+        if draft_s is not None:
+            # Per drafted token, averaged over whatever drafted: a hybrid's free lookup rounds and its
+            # model rounds blend into the cost a drafted token has on this prompt.
+            self.draft_s += COST_EMA * (draft_s / k - self.draft_s)
         # Positions tried: the accepted ones plus the first rejection (if any); a geometric-trial estimate.
         trials = n_accepted + (n_accepted < k)
-        self.acceptance += ACCEPT_EMA * (n_accepted / trials - self.acceptance)
+        weight = 1.0 - (1.0 - ACCEPT_EMA) ** trials
+        self.acceptance += weight * (n_accepted / trials - self.acceptance)
 
 
 def choose_policy(draft_len: int | str, drafting: bool,

@@ -118,7 +118,9 @@ class Engine:
         self.runtime = runtime or RuntimeOptions()
         provider_list(self.runtime)  # an unavailable provider fails here, before KV is allocated on its device
         self.max_len = max_len or self.manifest.default_max_len
-        self._costs: tuple[list[float], float] | None = None  # measured once per drafter, for draft_len="auto"
+        # Step costs for draft_len="auto", measured once per drafter kind on first use and kept: a
+        # calibration is ~40 forwards, too dear to repeat per prompt.
+        self._costs: dict[str, tuple[list[float], float]] = {}
         m = self.manifest
         if not 0 < self.max_len <= m.model.max_position:
             raise SpecdecError(f"--max-len {self.max_len} is outside 1..{m.model.max_position} (the model's positions)")
@@ -133,7 +135,7 @@ class Engine:
     def _decoder(self, name: str) -> Decoder:
         g = self.manifest.graphs[name]
         kv = KVCache(g.n_layers, 1, g.model.n_kv_heads, self.max_len, g.model.head_dim,
-                     device=self.runtime.device, device_id=self.runtime.device_id)
+                     device=self.runtime.device, device_id=self.runtime.device_id, dtype=g.kv_dtype)
         return Decoder(self.path / g.file, g, g.model, kv, self.runtime)
 
     def use_drafter(self, kind: str) -> None:
@@ -141,7 +143,6 @@ class Engine:
         if kind not in self._drafters:
             self._drafters[kind] = self._make_drafter(kind)
         self.drafter_kind, self.drafter = kind, self._drafters[kind]
-        self._costs = None
 
     def add_draft_bundle(self, bundle: str | Path, name: str) -> None:
         """Register another bundle's target graph as a draft model under `name` (for use_drafter).
@@ -154,7 +155,7 @@ class Engine:
                                "a draft model must share the target's tokenizer")
         g = other.graphs["target"]
         kv = KVCache(g.n_layers, 1, g.model.n_kv_heads, self.max_len, g.model.head_dim,
-                     device=self.runtime.device, device_id=self.runtime.device_id)
+                     device=self.runtime.device, device_id=self.runtime.device_id, dtype=g.kv_dtype)
         self._drafters[name] = ModelDrafter(Decoder(Path(bundle) / g.file, g, g.model, kv, self.runtime))
 
     def _make_drafter(self, kind: str) -> Drafter | None:
@@ -184,9 +185,9 @@ class Engine:
         return choose_policy(draft_len, self.drafter is not None, self._cached_costs)
 
     def _cached_costs(self) -> tuple[list[float], float]:
-        if self._costs is None:
-            self._costs = self._measure_costs()
-        return self._costs
+        if self.drafter_kind not in self._costs:
+            self._costs[self.drafter_kind] = self._measure_costs()
+        return self._costs[self.drafter_kind]
 
     def _measure_costs(self) -> tuple[list[float], float]:
         """Time target steps of width 1..AUTO_K_MAX+1 and one draft step on this device.

@@ -11,12 +11,17 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from specdec.errors import SpecdecError
 
 MANIFEST_NAME = "specdec.json"
 FORMAT = "specdec-bundle"
 FORMAT_VERSION = 1
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
+# Precisions whose graphs need a GPU to be worth running: the CPU provider has fp16 kernels, but they are
+# slower than fp32 there (FACTS: 100 vs 44 us for one attention node) and less exact.
+GPU_PRECISIONS = ("fp16",)
 DRAFTER_KINDS = ("none", "ngram", "model")
 
 
@@ -87,6 +92,12 @@ class GraphSpec:
         _require("logits" in self.outputs, f"graph {self.file} has no 'logits' output")
         _require(0 < self.n_layers <= self.model.n_layers,
                  f"graph {self.file}: n_layers must be in 1..{self.model.n_layers}, got {self.n_layers}")
+
+    @property
+    def kv_dtype(self) -> np.dtype:
+        """The dtype of this graph's K/V buffers, which a KVCache for it must be allocated in: an fp16 graph
+        keeps everything in fp16; int8/int4 are weight-only (fp32 activations, so fp32 K/V)."""
+        return np.dtype(np.float16 if self.precision == "fp16" else np.float32)
 
 
 @dataclass(frozen=True)

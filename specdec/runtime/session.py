@@ -16,6 +16,8 @@ import onnxruntime as ort
 from specdec.errors import SpecdecError
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
+# Set to 1 to run fp16 graphs on the CPU provider anyway (tests, checks): the CLI has no flag for it on purpose.
+ALLOW_CPU_FP16_ENV = "SPECDEC_ALLOW_CPU_FP16"
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class RuntimeOptions:
     # sorted (key, value) pairs so the options stay frozen. A dict is accepted.
     cuda_options: tuple[tuple[str, Any], ...] = ()
     trt_options: tuple[tuple[str, Any], ...] = ()
+    # fp16 graphs are refused on the CPU provider (slow and pointless there) unless this is set, or the
+    # environment has SPECDEC_ALLOW_CPU_FP16=1: export checks and tests run fp16 on the CPU on purpose.
+    allow_cpu_fp16: bool = False
 
     def __post_init__(self) -> None:
         for f in ("cuda_options", "trt_options"):
@@ -42,6 +47,11 @@ class RuntimeOptions:
     def device(self) -> str:
         """Where KV buffers live: ORT's device name for OrtValue allocation."""
         return "cpu" if self.provider == "cpu" else "cuda"
+
+    @property
+    def runs_fp16_on_cpu(self) -> bool:
+        """Whether fp16 graphs may run on the CPU provider (the option, or SPECDEC_ALLOW_CPU_FP16=1)."""
+        return self.allow_cpu_fp16 or os.environ.get(ALLOW_CPU_FP16_ENV, "") == "1"
 
 
 def provider_list(opts: RuntimeOptions, available: list[str] | None = None) -> list:

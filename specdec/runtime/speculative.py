@@ -87,8 +87,11 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
         while (room := kv.max_len - int(kv.lengths[0])) > 0:
             k = draft_len.next_k(min(room - 1, MAX_STEP - 1)) if drafter is not None else 0
             proposed = k > 0
+            t_round = time.perf_counter()
             draft = drafter.propose(context, k) if proposed else NO_DRAFT
+            t_drafted = time.perf_counter()
             logits = target.forward(np.asarray([[token, *draft.tokens]], dtype=np.int64))[0]  # [k+1, vocab]
+            t_verified = time.perf_counter()
             if sampling.greedy:
                 n_accepted, token = greedy_accept(draft.tokens, logits)
             else:
@@ -97,7 +100,8 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
             kv.advance(1 + n_accepted)
             if proposed:
                 drafter.accept(n_accepted, token)
-                draft_len.update(draft.k, n_accepted)
+            if drafter is not None:  # the policy learns costs from plain rounds (k = 0) too
+                draft_len.update(draft.k, n_accepted, t_drafted - t_round, t_verified - t_drafted)
             stats.record(draft.k, n_accepted)
             new = [*map(int, draft.tokens[:n_accepted]), token]
             context += new

@@ -9,6 +9,20 @@ from specdec.runtime.decoder import Decoder
 from specdec.runtime.drafters.base import Draft
 from specdec.runtime.sampling import SamplingConfig, probs_from_logits, sample
 
+# Drafting stops after a token the draft model itself gives less than this probability: the target
+# rarely accepts past such a token, so further draft steps are mostly wasted. The choice depends only
+# on the draft's distribution, so the output (greedy or sampled) is unchanged. 0.4 is Hugging Face's
+# default `assistant_confidence_threshold` for the same rule; 0 drafts the full length always.
+CONFIDENCE_STOP = 0.4
+
+
+def draft_confidence(logits: np.ndarray, token: int, p_row: np.ndarray | None) -> float:
+    """The draft's probability of the token it chose: from its sampling distribution when it sampled,
+    else the plain softmax at the argmax."""
+    if p_row is not None:
+        return float(p_row[token])
+    return 1.0 / float(np.exp(logits - logits[token]).sum())
+
 
 class ModelDrafter:
     """Drafts k tokens with k forwards of a draft decoder.
@@ -17,8 +31,11 @@ class ModelDrafter:
     not seen (the target's correction or bonus token, or a new prompt), then drafts one token per step.
     """
 
-    def __init__(self, decoder: Decoder) -> None:
+    def __init__(self, decoder: Decoder, confidence_stop: float = CONFIDENCE_STOP) -> None:
+        if not 0.0 <= confidence_stop < 1.0:
+            raise ValueError(f"confidence_stop must be in [0, 1), got {confidence_stop}")
         self.decoder = decoder
+        self.confidence_stop = confidence_stop
         self.ids: list[int] = []
         self.sampling = SamplingConfig()
         self.rng = np.random.default_rng(0)
@@ -48,6 +65,7 @@ class ModelDrafter:
         step = np.asarray([pending[-1:]], dtype=np.int64)  # [1,1]
         tokens = np.empty(k, dtype=np.int64)  # [k]
         p_draft = None if self.sampling.greedy else np.empty((k, dec.model.vocab_size), dtype=np.float32)  # [k, vocab]
+        n = k
         for i in range(k):
             logits = dec.forward(step)[0, -1]  # [vocab]
             kv.advance(1)
@@ -57,7 +75,12 @@ class ModelDrafter:
                 p_draft[i] = probs_from_logits(logits, self.sampling)
                 tokens[i] = sample(p_draft[i], self.rng)
             step[0, 0] = tokens[i]
-        # The KV now holds pending + tokens[:k-1]; the last draft was never fed.
+            if draft_confidence(logits, tokens[i], None if p_draft is None else p_draft[i]) < self.confidence_stop:
+                n = i + 1
+                break
+        tokens = tokens[:n]  # [n]
+        p_draft = None if p_draft is None else p_draft[:n]  # [n, vocab]
+        # The KV now holds pending + tokens[:n-1]; the last draft was never fed.
         self._proposed = tokens[:-1].tolist()
         self.ids += self._proposed
         return Draft(tokens=tokens, p_draft=p_draft)
