@@ -180,7 +180,11 @@ def _device_setup(device, bundle, provider, max_len, threads, drafter=None, cfg=
 def _engine(bundle, drafter, max_len, runtime):
     import specdec
 
-    return specdec.load(bundle, drafter=drafter, max_len=max_len, runtime=runtime)
+    engine = specdec.load(bundle, drafter=drafter, max_len=max_len, runtime=runtime)
+    if engine.drafter is not None and not engine.manifest.graphs["target"].t_invariant:
+        click.echo(f"note: {bundle}'s target uses fast kernels whose multi-token steps round differently: "
+                   "speculative output may differ from its plain decoding (--draft-len 0 for plain)", err=True)
+    return engine
 
 
 def _stats_line(stats) -> str:
@@ -279,15 +283,24 @@ def devices(bundle, notes):
 @click.option("--to", "precision", required=True,
               help="fp16 (for GPUs) | int8 | int4 (weight-only, T-invariant kernels).")
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True)
+@click.option("--fast-kernels", is_flag=True,
+              help="int8/int4 with int8-activation kernels: much faster on CPUs, but NOT lossless under "
+                   "speculation (a multi-token step rounds differently from single steps). Plain decoding is unaffected.")
+@click.option("--block-size", type=int, default=None,
+              help="Weights per quantization scale (power of two >= 16; default 32). Larger: smaller and faster, less exact.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @friendly
-def quantize(bundle, precision, out_dir, force):
+def quantize(bundle, precision, out_dir, fast_kernels, block_size, force):
     """Write a copy of an fp32 BUNDLE with its target quantized (or converted to fp16)."""
     from specdec.quant.bundle import quantize_bundle
 
-    quantize_bundle(bundle, out_dir, precision, force=force)
+    try:
+        quantize_bundle(bundle, out_dir, precision, force=force, fast_kernels=fast_kernels, block_size=block_size)
+    except ValueError as e:  # a WeightQuantConfig that does not validate, e.g. --block-size 48
+        raise SpecdecError(str(e), "see specdec quantize --help") from None
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
-    click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, target {precision})")
+    note = ", fast kernels: speculative output may differ from plain decoding" if fast_kernels else ""
+    click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, target {precision}{note})")
 
 
 @main.command("build-engines")

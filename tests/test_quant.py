@@ -169,3 +169,16 @@ def test_quantize_refuses_fp16_and_quantized_sources(fp16, quantized, tmp_path):
     with pytest.raises(SpecdecError, match=r"already quantized \(int8\)"):
         quantize_bundle(quantized["int8"], tmp_path / "x", "fp16")
     assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_fast_kernels_are_opt_in_and_flagged(tiny_bundle, tmp_path):
+    from specdec.errors import SpecdecError
+    from specdec.quant.bundle import quantize_bundle
+    from specdec.runtime.manifest import read_manifest
+
+    exact = read_manifest(quantize_bundle(tiny_bundle, tmp_path / "exact", "int4")).graphs["target"]
+    fast = read_manifest(quantize_bundle(tiny_bundle, tmp_path / "fast", "int4", fast_kernels=True)).graphs["target"]
+    assert exact.t_invariant and not fast.t_invariant
+    assert fast.quant["accuracy_level"] == 4
+    with pytest.raises(SpecdecError, match="fast-kernels"):
+        quantize_bundle(tiny_bundle, tmp_path / "fp16", "fp16", fast_kernels=True)

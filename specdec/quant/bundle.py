@@ -12,7 +12,7 @@ from onnx import numpy_helper
 from specdec.errors import SpecdecError
 from specdec.export.graph import save_graph
 from specdec.export.verify import check_against_graph
-from specdec.quant.weight_only import TARGET_PRESETS, quantize_weights
+from specdec.quant.weight_only import FAST_TARGET_PRESETS, TARGET_PRESETS, quantize_weights
 from specdec.runtime.manifest import MANIFEST_NAME, read_manifest, sha256_file
 
 
@@ -49,7 +49,10 @@ def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     return convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=True)
 
 
-def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False) -> Path:
+def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, fast_kernels: bool = False,
+                    block_size: int | None = None) -> Path:
+    """`fast_kernels`: int8-activation kernels (FAST_TARGET_PRESETS), faster but not lossless under speculation.
+    `block_size` overrides the preset's quantization block (int8/int4 only)."""
     if precision not in QUANTIZE_PRECISIONS:
         raise SpecdecError(f"unknown precision {precision!r} for quantize",
                            f"choose one of {', '.join(QUANTIZE_PRECISIONS)}")
@@ -58,6 +61,10 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False) -
     if g.precision == "fp16":  # rounding fp16 weights again would stack a second rounding on the first
         raise SpecdecError(f"bundle {src} is fp16; specdec quantize converts fp32 bundles only",
                            f"quantize the fp32 bundle it came from, or export with --precision {precision}")
+    if block_size is not None and precision not in TARGET_PRESETS:
+        raise SpecdecError(f"--block-size applies to {' and '.join(TARGET_PRESETS)} only, not {precision}")
+    if fast_kernels and precision not in FAST_TARGET_PRESETS:
+        raise SpecdecError(f"--fast-kernels applies to {' and '.join(FAST_TARGET_PRESETS)} only, not {precision}")
     if g.precision != "fp32":
         raise SpecdecError(f"bundle {src} is already quantized ({g.precision})", "quantize an fp32 bundle")
     if dst.exists() and not force:
@@ -81,7 +88,9 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False) -
                                    "this model may not fit fp16's range; keep fp32, or quantize --to int8")
             target = replace(target, checks=check.to_checks("fp16"))
         else:
-            cfg = TARGET_PRESETS[precision]
+            cfg = (FAST_TARGET_PRESETS if fast_kernels else TARGET_PRESETS)[precision]
+            if block_size is not None:
+                cfg = replace(cfg, block_size=block_size)  # validated by WeightQuantConfig
             model = untie_embedding(onnx.load(str(src / g.file)))
             save_graph(quantize_weights(model, cfg), partial / g.file)
             target = replace(g, precision=precision, quant=cfg.to_dict(), checks={})

@@ -94,6 +94,12 @@ class GraphSpec:
                  f"graph {self.file}: n_layers must be in 1..{self.model.n_layers}, got {self.n_layers}")
 
     @property
+    def t_invariant(self) -> bool:
+        """Whether a T-token step computes what T single steps do, which lossless speculation relies on.
+        Only int8-activation kernels (MatMulNBits accuracy_level 4, `quantize --fast-kernels`) break it."""
+        return self.quant.get("accuracy_level") != 4
+
+    @property
     def kv_dtype(self) -> np.dtype:
         """The dtype of this graph's K/V buffers, which a KVCache for it must be allocated in: an fp16 graph
         keeps everything in fp16; int8/int4 are weight-only (fp32 activations, so fp32 K/V)."""
