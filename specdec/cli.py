@@ -330,9 +330,12 @@ def build_engines_cmd(bundle, device, max_len, rebuild):
 @click.option("--questions", type=click.Path(path_type=Path), default=None, help="Spec-Bench questions JSONL.")
 @click.option("--limit", type=int, default=1, show_default=True, help="Questions per category.")
 @click.option("--max-new-tokens", default=96, show_default=True)
+@click.option("--draft-prompts", type=int, default=None,
+              help="Measure CANDIDATE drafting for REFERENCE on the first N prompts only (default all; 0 skips): "
+                   "a graph with slow single-token kernels drafts one slow step per token.")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the report as JSON.")
 @friendly
-def quant_report_cmd(reference, candidate, questions, limit, max_new_tokens, out):
+def quant_report_cmd(reference, candidate, questions, limit, max_new_tokens, draft_prompts, out):
     """Quality and speed of CANDIDATE's target against REFERENCE's, teacher-forced on REFERENCE's answers."""
     from rich.console import Console
 
@@ -343,7 +346,7 @@ def quant_report_cmd(reference, candidate, questions, limit, max_new_tokens, out
     if not questions.is_file():
         raise SpecdecError(f"questions file {questions} not found", "pass --questions PATH")
     prompts = [p.messages for p in load_spec_bench(questions, limit_per_category=limit or None)]
-    report = quant_report(reference, candidate, prompts, max_new_tokens=max_new_tokens)
+    report = quant_report(reference, candidate, prompts, max_new_tokens=max_new_tokens, draft_prompts=draft_prompts)
     Console().print(render(report))
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)

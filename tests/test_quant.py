@@ -56,8 +56,9 @@ def test_quantized_targets_decode_and_stay_lossless(quantized, precision):
 
 
 def test_int8_is_closer_to_fp32_than_int4(tiny_bundle, quantized):
-    r8 = quant_report(tiny_bundle, quantized["int8"], PROMPTS, max_new_tokens=20)
+    r8 = quant_report(tiny_bundle, quantized["int8"], PROMPTS, max_new_tokens=20, draft_prompts=1)
     r4 = quant_report(tiny_bundle, quantized["int4"], PROMPTS, max_new_tokens=20)
+    assert r8["b_drafting_for_a"]["prompts"] == 1 and r4["b_drafting_for_a"]["prompts"] == len(PROMPTS)
     assert r8["mean_kl_a_b"] < r4["mean_kl_a_b"]
     assert r8["b"]["size_mb"] < r8["a"]["size_mb"]
 

@@ -93,14 +93,16 @@ def graph_bytes(engine: Engine) -> int:
                if f == g.file or f.startswith(g.file + "."))
 
 
-def quant_report(bundle_a: Path, bundle_b: Path, prompts: list, max_new_tokens: int = 96, draft_len: int = 4) -> dict:
+def quant_report(bundle_a: Path, bundle_b: Path, prompts: list, max_new_tokens: int = 96, draft_len: int = 4,
+                 draft_prompts: int | None = None) -> dict:
+    """`draft_prompts`: measure B drafting for A on the first N prompts only (None: all)."""
     a = Engine(bundle_a, drafter="none")
     b = Engine(bundle_b, drafter="none")
     a.add_draft_bundle(bundle_b, "candidate")
     totals = {"nll_a": 0.0, "nll_b": 0.0, "kl_sum": 0.0, "agree": 0, "n": 0}
     inv_a = inv_b = 0.0
     drafted = accepted = forwards = 0
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         ids = a.encode(prompt)
         a.use_drafter("none")
         a.reset()
@@ -114,6 +116,8 @@ def quant_report(bundle_a: Path, bundle_b: Path, prompts: list, max_new_tokens: 
             totals[key] += v
         inv_a = max(inv_a, t_invariance(a.target, seq[:len(ids) + 5]))
         inv_b = max(inv_b, t_invariance(b.target, seq[:len(ids) + 5]))
+        if draft_prompts is not None and i >= draft_prompts:
+            continue
         a.use_drafter("candidate")
         a.reset()
         g = a.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len))
@@ -128,7 +132,8 @@ def quant_report(bundle_a: Path, bundle_b: Path, prompts: list, max_new_tokens: 
         "tokens": totals["n"],
         "mean_kl_a_b": totals["kl_sum"] / n,
         "top1_agreement": totals["agree"] / n,
-        "b_drafting_for_a": {"draft_len": draft_len, "acceptance_rate": accepted / max(drafted, 1),
+        "b_drafting_for_a": {"draft_len": draft_len, "prompts": min(len(prompts), draft_prompts if draft_prompts is not None else len(prompts)),
+                             "acceptance_rate": accepted / max(drafted, 1),
                              "tau": (accepted + forwards) / max(forwards, 1)},
     }
 

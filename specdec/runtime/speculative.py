@@ -80,9 +80,9 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
     stats.prompt_tokens, stats.prefill_s = len(prompt_ids), time.perf_counter() - t0
     yield [token]
     context = [*prompt_ids, token]
+    t0 = time.perf_counter()  # before begin(): a drafter's own prefill is a cost of decoding this way
     if drafter is not None:
         drafter.begin(prompt_ids, sampling, rng)
-    t0 = time.perf_counter()
     try:
         while (room := kv.max_len - int(kv.lengths[0])) > 0:
             k = draft_len.next_k(min(room - 1, MAX_STEP - 1)) if drafter is not None else 0

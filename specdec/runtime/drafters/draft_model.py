@@ -68,14 +68,13 @@ class ModelDrafter:
             common, self._skip = 0, (0, 0)
         self.ids = self.ids[:common]
         self.decoder.kv.truncate(common - self._skip[1])
+        # Prefill the prompt now rather than in the first propose(): it is the prompt's cost, not a
+        # round's, and a policy timing rounds (draft_len="auto") must not take it for a draft step.
+        self._catch_up(prompt_ids[common:-1])
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
-        dec, kv = self.decoder, self.decoder.kv
-        pending = list(context[len(self.ids):])
-        k = min(k, kv.max_len - int(kv.lengths[0]) - len(pending) + 1)
-        if k <= 0 or not pending:
-            return Draft(tokens=np.zeros(0, dtype=np.int64))
-        feed = pending[:-1]
+    def _catch_up(self, tokens: Sequence[int]) -> None:
+        """Feed context tokens the draft KV lacks; a long run of them is windowed (DRAFT_WINDOW)."""
+        feed = list(tokens)
         if self.window is not None and not self._skip[1]:
             sink = max(0, DRAFT_SINK - len(self.ids))  # sink tokens still to come from this feed
             n_skipped = len(feed) - sink - self.window
@@ -83,8 +82,17 @@ class ModelDrafter:
                 self._skip = (len(self.ids) + sink, n_skipped)
                 feed = feed[:sink] + feed[sink + n_skipped:]
         if feed:
-            dec.prefill(np.asarray([feed], dtype=np.int64))
-        self.ids += pending
+            self.decoder.prefill(np.asarray([feed], dtype=np.int64))
+        self.ids += list(tokens)
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        dec, kv = self.decoder, self.decoder.kv
+        pending = list(context[len(self.ids):])
+        k = min(k, kv.max_len - int(kv.lengths[0]) - len(pending) + 1)
+        if k <= 0 or not pending:
+            return Draft(tokens=np.zeros(0, dtype=np.int64))
+        self._catch_up(pending[:-1])
+        self.ids.append(pending[-1])
         step = np.asarray([pending[-1:]], dtype=np.int64)  # [1,1]
         tokens = np.empty(k, dtype=np.int64)  # [k]
         p_draft = None if self.sampling.greedy else np.empty((k, dec.model.vocab_size), dtype=np.float32)  # [k, vocab]
