@@ -237,3 +237,26 @@ def test_draft_model_stops_at_low_confidence_without_changing_output(engines):
     finally:
         drafter.confidence_stop = 0.4
     assert short.token_ids == full.token_ids == plain
+
+
+def test_adaptive_policy_keeps_draft_sources_apart():
+    """A hybrid's dear, disappointing model drafts must not talk the policy out of free lookup drafts."""
+    from specdec.runtime.draft_len import AdaptiveDraftLen
+
+    verify = [0.020, 0.022, 0.023, 0.024, 0.025, 0.027, 0.029, 0.031, 0.034]  # fp32-like: width is cheap
+    p = AdaptiveDraftLen(verify_s=list(verify), draft_s=0.010, source_draft_s={"lookup": 0.0, "model": 0.010})
+    for _ in range(20):
+        p.update(4, 0, draft_s=0.040, verify_s=0.025, source="model")  # model drafts all rejected
+        p.update(4, 4, draft_s=0.0001, verify_s=0.025, source="lookup")  # lookups all accepted
+    assert p.next_k(8, "model") == 0
+    assert p.next_k(8, "lookup") == 8
+    assert p.next_k(8, "") >= 1  # the default source kept its optimistic prior: untouched by the others
+
+
+def test_hybrid_reports_its_next_source(engines):
+    from specdec.runtime.sampling import SamplingConfig
+
+    h = engines["hybrid"].drafter
+    h.begin([5, 6, 7, 8, 5, 6], SamplingConfig(), np.random.default_rng(0))
+    assert h.source([5, 6, 7, 8, 5, 6]) == "lookup"  # "5 6" occurred before: lookup has a continuation
+    assert h.source([5, 6, 7, 8, 5, 6, 9, 10, 11]) == "model"  # "10 11" never occurred

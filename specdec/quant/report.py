@@ -157,5 +157,6 @@ def render(report: dict):
     t.add_row("mean KL(A||B)", "", f"{report['mean_kl_a_b']:.4f}")
     t.add_row("top-1 agreement", "", f"{report['top1_agreement']:.3f}")
     d = report["b_drafting_for_a"]
-    t.add_row(f"B drafting for A, k={d['draft_len']}", "", f"accept {d['acceptance_rate']:.3f}, tau {d['tau']:.2f}")
+    measured = f"accept {d['acceptance_rate']:.3f}, tau {d['tau']:.2f}" if d.get("prompts", 1) else "not measured"
+    t.add_row(f"B drafting for A, k={d['draft_len']}", "", measured)
     return t

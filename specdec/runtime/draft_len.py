@@ -32,12 +32,13 @@ CALIBRATION_REPS = 3
 
 
 class DraftLenPolicy(Protocol):
-    def next_k(self, limit: int) -> int: ...
+    def next_k(self, limit: int, source: str = "") -> int:
+        """Tokens to draft this round (<= limit) from `source` (the drafter's, see Drafter.source)."""
 
     def update(self, k: int, n_accepted: int, draft_s: float | None = None,
-               verify_s: float | None = None) -> None:
-        """After a round that drafted k tokens: how many were accepted, and (if timed) what drafting and
-        the k+1-token verification took."""
+               verify_s: float | None = None, source: str = "") -> None:
+        """After a round that drafted k tokens from `source`: how many were accepted, and (if timed) what
+        drafting and the k+1-token verification took."""
 
 
 @dataclass
@@ -48,22 +49,38 @@ class FixedDraftLen:
         if self.k < 0:
             raise ValueError(f"draft length must be >= 0, got {self.k}")
 
-    def next_k(self, limit: int) -> int:
+    def next_k(self, limit: int, source: str = "") -> int:
         return min(self.k, limit)
 
     def update(self, k: int, n_accepted: int, draft_s: float | None = None,
-               verify_s: float | None = None) -> None:
+               verify_s: float | None = None, source: str = "") -> None:
         pass
 
 
 @dataclass
+class SourceEstimate:
+    """What the policy knows of one draft source: its running acceptance and cost per drafted token."""
+
+    draft_s: float
+    acceptance: float = ACCEPT_PRIOR
+    idle_rounds: int = 0
+
+
+@dataclass
 class AdaptiveDraftLen:
-    """Picks k maximising expected tokens per second from measured costs and a running acceptance rate."""
+    """Picks k maximising expected tokens per second from measured costs and running acceptance rates.
+
+    A drafter may draft from several sources (the hybrid: prompt lookup, free and right or wrong in long
+    runs; a draft model, dear and right most of the time). Each source gets its own estimates, so one
+    source's cost or acceptance never talks the policy out of drafting from the other.
+    """
 
     verify_s: list[float]  # verify_s[T-1]: seconds of a target step of width T, T = 1..k_max+1
-    draft_s: float  # seconds per drafted token
-    acceptance: float = ACCEPT_PRIOR
+    draft_s: float  # seconds per drafted token of the default source ("")
+    acceptance: float = ACCEPT_PRIOR  # the default source's running acceptance
+    source_draft_s: dict[str, float] = field(default_factory=dict)  # measured cost per token of named sources
     history: list[int] = field(default_factory=list)  # chosen k per round, for stats
+    _sources: dict[str, SourceEstimate] = field(default_factory=dict)
     _idle_rounds: int = 0
 
     def __post_init__(self) -> None:
@@ -74,33 +91,52 @@ class AdaptiveDraftLen:
     def k_max(self) -> int:
         return len(self.verify_s) - 1
 
-    def expected_rate(self, k: int) -> float:
-        a = min(self.acceptance, 0.999)
-        tokens = (1 - a ** (k + 1)) / (1 - a)
-        return tokens / (k * self.draft_s + self.verify_s[k])
+    def _estimate(self, source: str) -> SourceEstimate:
+        if source not in self._sources:
+            self._sources[source] = SourceEstimate(draft_s=self.source_draft_s.get(source, self.draft_s))
+        return self._sources[source]
 
-    def next_k(self, limit: int) -> int:
-        k = max(range(min(self.k_max, limit) + 1), key=self.expected_rate)
-        self._idle_rounds = self._idle_rounds + 1 if k == 0 else 0
-        if self._idle_rounds >= PROBE_EVERY and limit > 0:
-            k, self._idle_rounds = 1, 0
+    def expected_rate(self, k: int, source: str = "") -> float:
+        a = min(self.acceptance if not source else self._estimate(source).acceptance, 0.999)
+        draft_s = self.draft_s if not source else self._estimate(source).draft_s
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        return tokens / (k * draft_s + self.verify_s[k])
+
+    def next_k(self, limit: int, source: str = "") -> int:
+        k = max(range(min(self.k_max, limit) + 1), key=lambda k: self.expected_rate(k, source))
+        idle = self._bump_idle(source, k == 0)
+        if idle >= PROBE_EVERY and limit > 0:
+            k = 1
+            self._bump_idle(source, False)
         self.history.append(k)
         return k
 
+    def _bump_idle(self, source: str, idle: bool) -> int:
+        if not source:
+            self._idle_rounds = self._idle_rounds + 1 if idle else 0
+            return self._idle_rounds
+        est = self._estimate(source)
+        est.idle_rounds = est.idle_rounds + 1 if idle else 0
+        return est.idle_rounds
+
     def update(self, k: int, n_accepted: int, draft_s: float | None = None,
-               verify_s: float | None = None) -> None:
+               verify_s: float | None = None, source: str = "") -> None:
         if verify_s is not None and k < len(self.verify_s):
             self.verify_s[k] += COST_EMA * (verify_s - self.verify_s[k])
         if k == 0:
             return
-        if draft_s is not None:
-            # Per drafted token, averaged over whatever drafted: a hybrid's free lookup rounds and its
-            # model rounds blend into the cost a drafted token has on this prompt.
-            self.draft_s += COST_EMA * (draft_s / k - self.draft_s)
         # Positions tried: the accepted ones plus the first rejection (if any); a geometric-trial estimate.
         trials = n_accepted + (n_accepted < k)
         weight = 1.0 - (1.0 - ACCEPT_EMA) ** trials
-        self.acceptance += weight * (n_accepted / trials - self.acceptance)
+        if not source:
+            if draft_s is not None:
+                self.draft_s += COST_EMA * (draft_s / k - self.draft_s)
+            self.acceptance += weight * (n_accepted / trials - self.acceptance)
+            return
+        est = self._estimate(source)
+        if draft_s is not None:
+            est.draft_s += COST_EMA * (draft_s / k - est.draft_s)
+        est.acceptance += weight * (n_accepted / trials - est.acceptance)
 
 
 def choose_policy(draft_len: int | str, drafting: bool,

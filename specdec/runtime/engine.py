@@ -16,7 +16,7 @@ import numpy as np
 
 from specdec.errors import SpecdecError
 from specdec.runtime.decoder import Decoder
-from specdec.runtime.draft_len import DraftLenPolicy, FixedDraftLen, choose_policy, median_seconds
+from specdec.runtime.draft_len import AdaptiveDraftLen, DraftLenPolicy, FixedDraftLen, choose_policy, median_seconds
 from specdec.runtime.drafters.base import Drafter
 from specdec.runtime.drafters.draft_model import ModelDrafter
 from specdec.runtime.drafters.hybrid import LOOKUP_MIN_NGRAM, HybridDrafter
@@ -182,7 +182,11 @@ class Engine:
     def _draft_len_policy(self, draft_len: int | str | None) -> DraftLenPolicy | None:
         if draft_len is None:
             draft_len = self.manifest.drafter.draft_len
-        return choose_policy(draft_len, self.drafter is not None, self._cached_costs)
+        policy = choose_policy(draft_len, self.drafter is not None, self._cached_costs)
+        if isinstance(policy, AdaptiveDraftLen):
+            # A lookup drafts in microseconds against a forward's milliseconds; a model at its measured step.
+            policy.source_draft_s = {"lookup": 0.0, "model": policy.draft_s}
+        return policy
 
     def _cached_costs(self) -> tuple[list[float], float]:
         if self.drafter_kind not in self._costs:
@@ -198,8 +202,8 @@ class Engine:
         widths = range(1, min(AUTO_K_MAX + 1, kv.max_len - int(kv.lengths[0])) + 1)
         verify = [median_seconds(lambda t=t: self.target.forward(np.zeros((1, t), dtype=np.int64))) for t in widths]
         draft = 0.0  # an n-gram lookup is microseconds against milliseconds of a forward
-        model = self._drafters.get("model")
-        if self.drafter_kind in ("model", "hybrid") and model is not None:
+        model = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
+        if isinstance(model, ModelDrafter):
             dec = model.decoder
             draft = median_seconds(lambda: dec.forward(np.zeros((1, 1), dtype=np.int64)))
         return verify, draft

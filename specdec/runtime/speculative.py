@@ -85,7 +85,8 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
         drafter.begin(prompt_ids, sampling, rng)
     try:
         while (room := kv.max_len - int(kv.lengths[0])) > 0:
-            k = draft_len.next_k(min(room - 1, MAX_STEP - 1)) if drafter is not None else 0
+            source = drafter.source(context) if drafter is not None else ""
+            k = draft_len.next_k(min(room - 1, MAX_STEP - 1), source) if drafter is not None else 0
             proposed = k > 0
             t_round = time.perf_counter()
             draft = drafter.propose(context, k) if proposed else NO_DRAFT
@@ -101,7 +102,7 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
             if proposed:
                 drafter.accept(n_accepted, token)
             if drafter is not None:  # the policy learns costs from plain rounds (k = 0) too
-                draft_len.update(draft.k, n_accepted, t_drafted - t_round, t_verified - t_drafted)
+                draft_len.update(draft.k, n_accepted, t_drafted - t_round, t_verified - t_drafted, source)
             stats.record(draft.k, n_accepted)
             new = [*map(int, draft.tokens[:n_accepted]), token]
             context += new

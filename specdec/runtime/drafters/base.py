@@ -47,6 +47,10 @@ class Drafter(Protocol):
         processed, and draw from `rng`, so that rejection sampling stays lossless and seeded runs repeat.
         """
 
+    def source(self, context: Sequence[int]) -> str:
+        """Which of its sources the next propose(context, ...) will draft from ("lookup", "model"): an
+        adaptive draft length keeps costs and acceptance per source (see draft_len.AdaptiveDraftLen)."""
+
     def propose(self, context: Sequence[int], k: int) -> Draft:
         """Propose up to `k` tokens following `context` (prompt + every emitted token).
 

@@ -85,6 +85,9 @@ class ModelDrafter:
             self.decoder.prefill(np.asarray([feed], dtype=np.int64))
         self.ids += list(tokens)
 
+    def source(self, context: Sequence[int]) -> str:
+        return "model"
+
     def propose(self, context: Sequence[int], k: int) -> Draft:
         dec, kv = self.decoder, self.decoder.kv
         pending = list(context[len(self.ids):])

@@ -10,6 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from specdec.runtime.drafters.base import Draft, Drafter
+from specdec.runtime.drafters.ngram import NgramDrafter
 from specdec.runtime.sampling import SamplingConfig
 
 # Shortest n-gram match trusted over the draft model: a single repeated token predicts its old
@@ -18,13 +19,16 @@ LOOKUP_MIN_NGRAM = 2
 
 
 class HybridDrafter:
-    def __init__(self, lookup: Drafter, model: Drafter) -> None:
+    def __init__(self, lookup: NgramDrafter, model: Drafter) -> None:
         self.lookup, self.model = lookup, model
         self._last: Drafter = model
 
     def begin(self, prompt_ids: Sequence[int], sampling: SamplingConfig, rng: np.random.Generator) -> None:
         self.lookup.begin(prompt_ids, sampling, rng)
         self.model.begin(prompt_ids, sampling, rng)
+
+    def source(self, context: Sequence[int]) -> str:
+        return "lookup" if self.lookup.has_match(context) else "model"
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         draft = self.lookup.propose(context, k)

@@ -50,6 +50,13 @@ class NgramDrafter:
         self._next_pos = {}
         self._extend(prompt_ids)
 
+    def source(self, context: Sequence[int]) -> str:
+        return "lookup"
+
+    def has_match(self, context: Sequence[int]) -> bool:
+        """Whether propose(context, k > 0) would find something to propose."""
+        return self.propose(context, 1).k > 0
+
     def propose(self, context: Sequence[int], k: int) -> Draft:
         self._sync(context)
         tokens = self._tokens
