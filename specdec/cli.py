@@ -73,20 +73,32 @@ def main() -> None:
 @click.argument("model", required=False)
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Bundle folder to write.")
 @click.option("--drafter", default="ngram", show_default=True,
-              help="none | ngram | self-int8 | self-int4 | model:PATH (another specdec bundle).")
+              help="none | ngram | self-int8 | self-int4 | layerskip | model:PATH (another specdec bundle).")
 @click.option("--precision", default="fp32", show_default=True,
               help="Target precision: fp32 | fp16 (for GPUs) | int8 | int4.")
 @click.option("--max-len", default=2048, show_default=True, help="Default KV buffer length (tokens).")
 @click.option("--draft-len", default=4, show_default=True, help="Default number of drafted tokens per round.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@click.option("--exit-layer", default="auto", show_default=True,
+              help="layerskip: draft from the first E layers; auto = chosen by a calibration on the target's answers.")
+@click.option("--exit-adapter/--no-exit-adapter", default=True, show_default=True,
+              help="layerskip: train a low-rank exit adapter (kept only if it raises held-out agreement).")
+@click.option("--calib-prompts", default=160, show_default=True,
+              help="layerskip: prompts the target answers for the calibration and the adapter.")
 @friendly
-def export(model, out_dir, drafter, precision, max_len, draft_len, force):
+def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_layer, exit_adapter, calib_prompts):
     """Export MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct) into a bundle."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from specdec.export.bundle import ExportConfig, export_bundle
+    from specdec.export.layerskip import LayerSkipConfig
 
-    cfg = ExportConfig(drafter=drafter, precision=precision, max_len=max_len, draft_len=draft_len, force=force)
+    if exit_layer != "auto" and not exit_layer.isdigit():
+        raise SpecdecError(f"--exit-layer must be a layer number or 'auto', got {exit_layer!r}")
+    layerskip = LayerSkipConfig(exit_layer=None if exit_layer == "auto" else int(exit_layer), adapter=exit_adapter,
+                                prompts=calib_prompts)
+    cfg = ExportConfig(drafter=drafter, precision=precision, max_len=max_len, draft_len=draft_len, force=force,
+                       layerskip=layerskip)
     t0 = time.perf_counter()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False,
                   disable=not sys.stderr.isatty(), console=None) as progress:
@@ -101,9 +113,32 @@ def export(model, out_dir, drafter, precision, max_len, draft_len, force):
 
         manifest = export_bundle(model, out_dir, cfg, step=step)
         progress.update(state["task"], completed=1, total=1)
+    if manifest.drafter.kind == "layerskip":
+        _print_layerskip_calibration(manifest.drafter)
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
     click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, target {manifest.graphs['target'].precision}, "
                f"drafter {cfg.drafter}) in {time.perf_counter() - t0:.0f} s")
+
+
+def _print_layerskip_calibration(spec) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    cal = spec.calibration
+    t = Table(title=f"layerskip calibration: {cal['answer_tokens']} answer tokens, draft vocabulary {cal['draft_vocab']} "
+                    f"(covers {cal['draft_vocab_coverage']:.1%} of held-out answer tokens)")
+    for col in ("exit layer", "top-1 agreement", "draft cost", "best k", "predicted speed-up"):
+        t.add_column(col, justify="right")
+    for c in cal["curve"]:
+        mark = " <" if c["exit_layer"] == spec.exit_layer else ""
+        t.add_row(f"{c['exit_layer']}{mark}", f"{c['agreement']:.3f}", f"{c['draft_cost']:.3f}", str(c["best_k"]),
+                  f"{c['predicted_speedup']:.2f}x")
+    Console(stderr=True).print(t)
+    if "adapter" in cal:
+        a = cal["adapter"]
+        click.echo(f"exit adapter (rank {a['rank']}, {a['train_tokens']} tokens, {a['train_s']} s): held-out agreement "
+                   f"{a['held_out_agreement_without']:.3f} -> {a['held_out_agreement_with']:.3f} "
+                   f"({'kept' if a['kept'] else 'dropped'})", err=True)
 
 
 def _runtime_options(provider: str, threads: int, bundle: Path | None = None):
@@ -146,7 +181,7 @@ def generation_options(fn):
         click.option("--seed", type=int, default=None, help="Seed for sampling."),
         click.option("--draft-len", callback=_parse_draft_len, default=None,
                      help="Drafted tokens per round: K, 'auto', or 0 for plain decoding (default: the bundle's)."),
-        click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid"]), default=None,
+        click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid", "layerskip"]), default=None,
                      help="Override the bundle's drafter (hybrid = n-gram lookup where it matches, the draft model elsewhere)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--max-len", type=int, default=None, help="KV buffer length in tokens (default: the bundle's)."),

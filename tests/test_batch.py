@@ -460,7 +460,7 @@ def test_gqa_ragged_rows_idle_rows_and_padding(tiny_bundle):
     g = m.graphs["target"]
 
     def decoder(batch):
-        kv = KVCache(g.n_layers, batch, g.model.n_kv_heads, 32, g.model.head_dim)
+        kv = KVCache(g.model.n_layers, batch, g.model.n_kv_heads, 32, g.model.head_dim)
         return Decoder(tiny_bundle / g.file, g, g.model, kv, RuntimeOptions())
 
     rng = np.random.default_rng(0)

@@ -439,7 +439,7 @@ def _decoder(bundle, graph="target", device_logits=None, max_len=256, opts=None,
     m = read_manifest(bundle, verify_checksums=False)
     g = m.graphs[graph]
     opts = opts or RuntimeOptions()
-    kv = KVCache(g.n_layers, 1, g.model.n_kv_heads, max_len, g.model.head_dim, device=opts.device,
+    kv = KVCache(g.model.n_layers, 1, g.model.n_kv_heads, max_len, g.model.head_dim, device=opts.device,
                  device_id=opts.device_id, dtype=dtype)
     return Decoder(bundle / g.file, g, g.model, kv, opts, device_logits=device_logits)
 
@@ -706,7 +706,7 @@ def test_a_tensorrt_decoder_checks_the_record_before_its_session(tiny_bundle, tm
     sessions = []
     monkeypatch.setattr(decoder_mod, "make_session", lambda *a: sessions.append(a))
     opts = RuntimeOptions(provider="tensorrt", trt_cache_dir=str(cache))
-    kv = KVCache(g.n_layers, 1, g.model.n_kv_heads, 64, g.model.head_dim)
+    kv = KVCache(g.model.n_layers, 1, g.model.n_kv_heads, 64, g.model.head_dim)
     with pytest.raises(SpecdecError, match="built for Orin"):
         Decoder(bundle / g.file, g, g.model, kv, opts)
     assert sessions == []  # no session, so no engine was loaded

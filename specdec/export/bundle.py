@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -17,13 +17,14 @@ import specdec
 from specdec.errors import SpecdecError
 from specdec.export.graph import (CONTROL_INPUTS, build_decoder_graph, kv_input_names, kv_output_names,
                                   model_config_from_hf, save_graph, weights_from_torch)
+from specdec.export.layerskip import LayerSkipConfig
 from specdec.export.verify import check_logits
 from specdec.quant.weight_only import SELF_DRAFT_PRESETS, TARGET_PRESETS, quantize_weights
 from specdec.runtime.manifest import (MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
                                       read_manifest, sha256_file)
 from specdec.runtime.tokenizer import vocab_digest
 
-DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "model:PATH")
+DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "layerskip", "model:PATH")
 # fp16 is for GPUs (a CPU runs the fp32 graph faster); int8/int4 are weight-only with fp32 activations.
 EXPORT_PRECISIONS = ("fp32", "fp16", *TARGET_PRESETS)
 
@@ -36,10 +37,14 @@ class ExportConfig:
     draft_len: int = 4
     max_ngram: int = 3
     force: bool = False
+    layerskip: LayerSkipConfig = field(default_factory=LayerSkipConfig)  # for drafter "layerskip"
 
     def __post_init__(self) -> None:
         if self.precision not in EXPORT_PRECISIONS:
             raise SpecdecError(f"unknown precision {self.precision!r}", f"choose one of {', '.join(EXPORT_PRECISIONS)}")
+        if self.drafter == "layerskip" and self.precision not in ("fp32", "fp16"):
+            raise SpecdecError(f"--drafter layerskip with --precision {self.precision} is not supported yet: the exit "
+                               "and tail graphs share the target's fp32/fp16 weights", "use --precision fp32 or fp16")
         if not (self.drafter in DRAFTERS[:-1] or self.drafter.startswith("model:")):
             raise SpecdecError(f"unknown drafter {self.drafter!r}", f"choose one of {', '.join(DRAFTERS)}")
         if self.max_len <= 0 or self.draft_len <= 0:
@@ -73,6 +78,8 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
     model_cfg = model_config_from_hf(source.hf_config)
     if cfg.max_len > model_cfg.max_position:
         raise SpecdecError(f"--max-len {cfg.max_len} exceeds the model's {model_cfg.max_position} positions")
+    if cfg.drafter == "layerskip":
+        cfg.layerskip.check_against(model_cfg.n_layers)
     if draft_manifest is not None:  # before any graph is written
         _check_same_vocab(draft_bundle, draft_manifest, vocab_digest(source.tokenizer.backend_tokenizer))
     weights = weights_from_torch(source.model)
@@ -126,6 +133,20 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             check = check_logits(source.model, partial / "draft.onnx", graphs["draft"])
             graphs["draft"] = replace(graphs["draft"], checks=check.to_checks(graphs["draft"].precision))
             drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.draft_len)
+        elif cfg.drafter == "layerskip":
+            from specdec.export.layerskip import calibrate, check_split, write_layerskip
+
+            calib = calibrate(source.model, source.tokenizer, weights, cfg.layerskip, step)
+            step(f"writing layerskip graphs (exit at layer {calib.exit_layer} of {L})")
+            dtype = np.float16 if cfg.precision == "fp16" else np.float32
+            split_graphs, fields_ = write_layerskip(partial, model_cfg, weights, calib, dtype=dtype)
+            graphs.update(split_graphs)
+            diff = check_split(partial, graphs, model_cfg.vocab_size)
+            if not diff <= 1e-4 * (1 if cfg.precision == "fp32" else 100):
+                raise SpecdecError(f"the layerskip split disagrees with the target graph: max |logit diff| {diff:.2e}",
+                                   "please report this model")
+            graphs["tail"] = replace(graphs["tail"], checks={"max_abs_logit_diff_vs_target_graph": diff})
+            drafter = DrafterSpec(kind="layerskip", draft_len=cfg.draft_len, **fields_)
         elif draft_bundle is not None:
             step(f"copying draft model from {draft_bundle}")
             graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)

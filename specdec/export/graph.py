@@ -5,12 +5,16 @@ KV length, and the static KV buffers of every layer are bound as both past input
 so GroupQueryAttention writes the new K/V in place at [P, P+T). Rolling back rejected drafts is
 then just passing a smaller length next time.
 
-Inputs  input_ids [B,T] int64, position_ids [B,T] int64, seqlens_k [B] int32 (= P+T-1),
+Inputs  input_ids [B,T] int64 (or hidden_in [B,T,hidden], the residual stream entering layer first_layer,
+        for a graph that starts there), position_ids [B,T] int64, seqlens_k [B] int32 (= P+T-1),
         total_sequence_length [] int32 (= P+T), query_lens [B] int32 (= T),
-        past.{i}.key / past.{i}.value [B, kv_heads, max_len, head_dim] for layer i < n_layers.
-Outputs logits [B,T,vocab], present.{i}.key / present.{i}.value (the same buffers),
-        hidden.{l} [B,T,hidden] for each requested tap l: the residual stream after the first l layers
-        (0 = embeddings, n_layers = before the final norm).
+        past.{i}.key / past.{i}.value [B, kv_heads, max_len, head_dim] for layers first_layer <= i < n_layers.
+Outputs logits [B,T,vocab] (unless the graph stops before the final norm), present.{i}.key / present.{i}.value
+        (the same buffers), hidden.{l} [B,T,hidden] for each requested tap l: the residual stream after the
+        first l layers (0 = embeddings, n_layers = before the final norm).
+
+A graph may run a slice of the layers, [first_layer, n_layers): LayerSkip self-speculation splits the target
+into an exit graph (layers [0, E), no head) and a tail graph (layers [E, L) + head) over one KV cache.
 Float tensors (weights, activations, KV buffers, logits, taps) are all of the graph's one float type, fp32
 or fp16 (`dtype`); ids, positions and lengths stay integers.
 """
@@ -113,15 +117,20 @@ def model_config_from_hf(hf_config) -> ModelConfig:
     )
 
 
-def kv_input_names(n_layers: int) -> list[str]:
-    return [f"past.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+def kv_input_names(n_layers: int, first_layer: int = 0) -> list[str]:
+    return [f"past.{i}.{kv}" for i in range(first_layer, n_layers) for kv in ("key", "value")]
 
 
-def kv_output_names(n_layers: int) -> list[str]:
-    return [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+def kv_output_names(n_layers: int, first_layer: int = 0) -> list[str]:
+    return [f"present.{i}.{kv}" for i in range(first_layer, n_layers) for kv in ("key", "value")]
 
 
 CONTROL_INPUTS = ("input_ids", "position_ids", "seqlens_k", "total_sequence_length", "query_lens")
+HIDDEN_IN = "hidden_in"  # a slice graph's entry (first_layer > 0): the residual stream, in place of input_ids
+
+
+def control_inputs(first_layer: int = 0) -> tuple[str, ...]:
+    return ((HIDDEN_IN,) if first_layer else ("input_ids",)) + CONTROL_INPUTS[1:]
 # The graph float types: every float tensor of a graph is one of these (GroupQueryAttention,
 # SkipSimplifiedLayerNormalization and SimplifiedLayerNormalization take one type for all their float inputs).
 GRAPH_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -149,9 +158,13 @@ class _Builder:
 
 
 def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tuple[int, ...] = (),
-                        n_layers: int | None = None, dtype=np.float32) -> onnx.ModelProto:
-    """Write the decoder as ONNX. `n_layers` < cfg.n_layers keeps only the first layers (early exit).
+                        n_layers: int | None = None, dtype=np.float32, first_layer: int = 0,
+                        logits: bool = True) -> onnx.ModelProto:
+    """Write the decoder as ONNX: layers [first_layer, n_layers), then (if `logits`) final norm and LM head.
 
+    `n_layers` < cfg.n_layers keeps only the first layers (early exit); `first_layer` > 0 starts from the
+    residual stream (`hidden_in`) instead of token ids. Without `logits` the graph ends at the residual
+    stream after its last layer, output as the tap `hidden.{n_layers}` (which is then always present).
     `dtype` (np.float32 or np.float16) is the float type of every weight, activation, KV buffer and output.
     """
     if np.dtype(dtype) not in [np.dtype(t) for t in GRAPH_DTYPES.values()]:
@@ -159,9 +172,13 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     n_layers = cfg.n_layers if n_layers is None else n_layers
     if not 0 < n_layers <= cfg.n_layers:
         raise ValueError(f"n_layers must be in 1..{cfg.n_layers}, got {n_layers}")
-    bad_taps = [t for t in hidden_layers if not 0 <= t <= n_layers]
+    if not 0 <= first_layer < n_layers:
+        raise ValueError(f"first_layer must be in 0..{n_layers - 1}, got {first_layer}")
+    if not logits and n_layers not in hidden_layers:
+        hidden_layers = (*hidden_layers, n_layers)
+    bad_taps = [t for t in hidden_layers if not first_layer <= t <= n_layers]
     if bad_taps:
-        raise ValueError(f"hidden taps {bad_taps} outside 0..{n_layers}")
+        raise ValueError(f"hidden taps {bad_taps} outside {first_layer}..{n_layers}")
     D, N, KV, H = cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     b = _Builder(dtype)
     eps = float(cfg.rms_eps)
@@ -172,19 +189,23 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     t = np.arange(cfg.max_position, dtype=np.float64)[:, None] * w.inv_freq.astype(np.float64)[None, :]
     cos = b.init("rope.cos", np.cos(t) * w.rope_scale)
     sin = b.init("rope.sin", np.sin(t) * w.rope_scale)
-    if w.lm_head is None:
+    head = None
+    if first_layer:
+        x = HIDDEN_IN  # [B,T,D]
+    elif w.lm_head is None:
         # Tied head: store the matrix once, as the head's [D, V] MatMul weight (MatMul beats Gemm with
         # transB at verification widths), and look embeddings up as its columns.
         head = b.init("lm_head.weight", np.ascontiguousarray(w.embed.T))
         cols = b.op("Gather", [head, "input_ids"], name="embed", axis=1)[0]  # [D,B,T]
         x = b.op("Transpose", [cols], name="embed.transpose", perm=[1, 2, 0])[0]  # [B,T,D]
     else:
-        head = b.init("lm_head.weight", w.lm_head)
         x = b.op("Gather", [b.init("embed.weight", w.embed), "input_ids"], name="embed")[0]  # [B,T,D]
-    taps: dict[int, str] = {0: x}
+    if logits and head is None:
+        head = b.init("lm_head.weight", np.ascontiguousarray(w.embed.T) if w.lm_head is None else w.lm_head)
+    taps: dict[int, str] = {first_layer: x}
     residual = None
     pending = None  # output of the previous block, not yet added to the residual stream
-    for i in range(n_layers):
+    for i in range(first_layer, n_layers):
         lw = w.layers[i]
         g_in = b.init(f"layers.{i}.input_norm", lw.input_norm)
         if pending is None:
@@ -213,12 +234,14 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         act = b.op("Mul", [gate, b.op("Sigmoid", [gate], name=f"layers.{i}.sigmoid")[0]], name=f"layers.{i}.silu")[0]
         pending = b.op("MatMul", [b.op("Mul", [act, up], name=f"layers.{i}.gated")[0],
                                   b.init(f"layers.{i}.down.weight", lw.down)], name=f"layers.{i}.down")[0]
-    normed, _, _, residual = b.op("SkipSimplifiedLayerNormalization",
-                                  [pending, residual, b.init("final_norm", w.final_norm)], n_out=4,
-                                  domain=MS, name="final_norm", epsilon=eps)  # [B,T,D]
+    if logits:
+        normed, _, _, residual = b.op("SkipSimplifiedLayerNormalization",
+                                      [pending, residual, b.init("final_norm", w.final_norm)], n_out=4,
+                                      domain=MS, name="final_norm", epsilon=eps)  # [B,T,D]
+        b.op("MatMul", [normed, head], outputs=["logits"], name="lm_head")  # [B,T,V]
+    else:  # one fp32 add, bit for bit the sum the next layer's SkipSimplifiedLayerNormalization forms
+        residual = b.op("Add", [pending, residual], name="residual_out")[0]  # [B,T,D]
     taps[n_layers] = residual
-
-    b.op("MatMul", [normed, head], outputs=["logits"], name="lm_head")  # [B,T,V]
 
     tap_outputs = []
     for t_idx in hidden_layers:
@@ -226,15 +249,17 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         tap_outputs.append(helper.make_tensor_value_info(f"hidden.{t_idx}", float_type, ["batch", "seq", D]))
 
     kv_shape = ["batch", KV, "max_len", H]
+    entry = helper.make_tensor_value_info(HIDDEN_IN, float_type, ["batch", "seq", D]) if first_layer else \
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])
     inputs = [
-        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+        entry,
         helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
         helper.make_tensor_value_info("query_lens", TensorProto.INT32, ["batch"]),
-    ] + [helper.make_tensor_value_info(n, float_type, kv_shape) for n in kv_input_names(n_layers)]
-    outputs = [helper.make_tensor_value_info("logits", float_type, ["batch", "seq", cfg.vocab_size])]
-    outputs += [helper.make_tensor_value_info(n, float_type, kv_shape) for n in kv_output_names(n_layers)]
+    ] + [helper.make_tensor_value_info(n, float_type, kv_shape) for n in kv_input_names(n_layers, first_layer)]
+    outputs = [helper.make_tensor_value_info("logits", float_type, ["batch", "seq", cfg.vocab_size])] if logits else []
+    outputs += [helper.make_tensor_value_info(n, float_type, kv_shape) for n in kv_output_names(n_layers, first_layer)]
     outputs += tap_outputs
     graph = helper.make_graph(b.nodes, "specdec_decoder", inputs, outputs, initializer=b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
@@ -255,3 +280,39 @@ def save_graph(model: onnx.ModelProto, path, external: bool = True) -> list[str]
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data, size_threshold=1024)
     return [path.name, data]
+
+
+def save_graph_sharing(model: onnx.ModelProto, path, reference) -> list[str]:
+    """Save `model` with every initializer that the already-saved graph `reference` holds byte for byte
+    pointing into the reference's external data file instead of a copy of its own.
+
+    onnxruntime memory-maps external data, so two graphs sharing a file share its pages: a LayerSkip split of
+    the target costs no second copy of the weights on disk or in memory. The rest (new tensors) goes into
+    this graph's own data file. Returns the file names written.
+    """
+    from pathlib import Path
+
+    from onnx import external_data_helper
+
+    path, reference = Path(path), Path(reference)
+    ref = onnx.load_model(str(reference), load_external_data=False)
+    where = {t.name: t for t in ref.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    shared = 0
+    for t in model.graph.initializer:
+        r = where.get(t.name)
+        if r is None or list(r.dims) != list(t.dims) or r.data_type != t.data_type:
+            continue
+        info = external_data_helper.ExternalDataInfo(r)
+        with open(reference.parent / info.location, "rb") as f:
+            f.seek(info.offset or 0)
+            same = f.read(info.length) == numpy_helper.to_array(t).tobytes()
+        if same:
+            t.ClearField("raw_data")
+            del t.external_data[:]
+            t.external_data.extend(r.external_data)
+            t.data_location = TensorProto.EXTERNAL
+            shared += 1
+    if shared == len(model.graph.initializer):
+        onnx.save_model(model, str(path))
+        return [path.name]
+    return save_graph(model, path)

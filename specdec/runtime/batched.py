@@ -312,7 +312,7 @@ class BatchedEngine:
 
     def _decoder(self, name: str) -> Decoder:
         g = self.manifest.graphs[name]
-        kv = KVCache(g.n_layers, self.batch_size, g.model.n_kv_heads, self.max_len, g.model.head_dim,
+        kv = KVCache(g.model.n_layers, self.batch_size, g.model.n_kv_heads, self.max_len, g.model.head_dim,
                      device=self.runtime.device, device_id=self.runtime.device_id, dtype=g.kv_dtype)
         return Decoder(self.path / g.file, g, g.model, kv, self.runtime)
 

@@ -59,23 +59,28 @@ class Decoder:
         missing = [n for n in spec.inputs if n not in names]
         if missing:
             raise ValueError(f"graph {path.name} lacks inputs {missing} listed in the manifest")
-        if kv.n_layers != spec.n_layers:
-            raise ValueError(f"KV cache has {kv.n_layers} layers, graph {path.name} needs {spec.n_layers}")
+        if kv.n_layers != spec.model.n_layers:
+            raise ValueError(f"KV cache has {kv.n_layers} layers, graph {path.name}'s model has {spec.model.n_layers}")
         types = {i.name: i.type for i in self.session.get_inputs()}
         graph_kv = _FLOAT_TYPES.get(types.get("past.0.key", ""))
         if graph_kv is not None and getattr(kv, "dtype", None) is not None and np.dtype(graph_kv) != kv.dtype:
             raise ValueError(f"graph {path.name} keeps K/V in {np.dtype(graph_kv)}, the KV cache is {kv.dtype}")
         out_types = {o.name: o.type for o in self.session.get_outputs()}
         self._logits_dtype = np.dtype(_FLOAT_TYPES.get(out_types.get("logits", ""), np.float32))
+        self._entry_dtype = np.dtype(_FLOAT_TYPES.get(types.get(spec.entry, ""), np.int64))
         self.binding = self.session.io_binding()
-        for i, (k_buf, v_buf) in enumerate(kv.values):
+        # A slice graph (LayerSkip exit or tail) binds only its layers of the one shared cache.
+        for i in range(spec.first_layer, spec.n_layers):
+            k_buf, v_buf = kv.values[i]
             self.binding.bind_ortvalue_input(f"past.{i}.key", k_buf)
             self.binding.bind_ortvalue_input(f"past.{i}.value", v_buf)
             self.binding.bind_ortvalue_output(f"present.{i}.key", k_buf)
             self.binding.bind_ortvalue_output(f"present.{i}.value", v_buf)
         B = kv.batch
-        self.device_logits = logits_on_device(opts) if device_logits is None else device_logits
-        if self.device_logits:
+        self.device_logits = spec.has_logits and (logits_on_device(opts) if device_logits is None else device_logits)
+        if not spec.has_logits:
+            self._logits = None
+        elif self.device_logits:
             # One device slab; each step binds its [B,T,vocab] output at the slab's address. A second binding,
             # never run, turns (address, shape) into OrtValues over rows of the slab for the copy back.
             self._where = (opts.device, opts.device_id)
@@ -93,7 +98,7 @@ class Decoder:
     def _outputs_for(self, T: int) -> list[tuple[str, np.ndarray, ort.OrtValue]]:
         if T not in self._out_views:
             B = self.kv.batch
-            views = [] if self.device_logits else \
+            views = [] if self._logits is None else \
                 [("logits", self._logits[: B * T * self.model.vocab_size].reshape(B, T, self.model.vocab_size))]
             views += [(f"hidden.{t}", buf[: B * T * self.model.hidden_size].reshape(B, T, self.model.hidden_size))
                       for t, buf in self._hidden.items()]
@@ -101,8 +106,11 @@ class Decoder:
         return self._out_views[T]
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray | None = None,
-                query_lens: np.ndarray | None = None) -> np.ndarray:
+                query_lens: np.ndarray | None = None) -> np.ndarray | None:
         """Run tokens [B,T] at the rows' current lengths; return logits [B,T,vocab] (a reused buffer).
+
+        A slice graph starting past layer 0 takes the residual stream [B,T,hidden] instead of tokens; a
+        graph without a head returns None (read its output with hidden()).
 
         K/V for the T tokens are written at [length, length+T) but not made valid: the caller decides
         how many to keep with kv.advance(). `positions` default to length + arange(T) (tree steps pass
@@ -111,13 +119,15 @@ class Decoder:
         whose KV is untouched. GroupQueryAttention still needs length + T <= max_len for every active row.
         """
         B, T = self._run(tokens, positions, query_lens)
+        if not self.spec.has_logits:
+            return None
         if self.device_logits:
             return self._read_logits(B, T)
         return self._outputs_for(T)[0][1]
 
     def _run(self, tokens: np.ndarray, positions: np.ndarray | None,
              query_lens: np.ndarray | None = None) -> tuple[int, int]:
-        B, T = tokens.shape
+        B, T = tokens.shape[:2]
         if T > MAX_STEP:
             raise ValueError(f"step of {T} tokens exceeds MAX_STEP={MAX_STEP}; prefill in chunks")
         q = np.full(B, T, dtype=np.int64) if query_lens is None else np.asarray(query_lens, dtype=np.int64)  # [B]
@@ -128,7 +138,7 @@ class Decoder:
         if positions is None:
             positions = lengths[:, None] + np.arange(T, dtype=np.int64)[None, :]  # [B,T]
         b = self.binding
-        b.bind_cpu_input("input_ids", np.ascontiguousarray(tokens, dtype=np.int64))
+        b.bind_cpu_input(self.spec.entry, np.ascontiguousarray(tokens, dtype=self._entry_dtype))
         b.bind_cpu_input("position_ids", np.ascontiguousarray(positions, dtype=np.int64))
         # An idle row's seqlens_k must still be a valid index (>= 0, GQA checks it against the rotary cache).
         b.bind_cpu_input("seqlens_k", np.where(q > 0, lengths + q - 1, 0).astype(np.int32))
@@ -162,7 +172,7 @@ class Decoder:
 
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
         """Run a prompt [B,T] in MAX_STEP chunks, keep all of it, return the last position's logits [B,vocab]."""
-        B, T = tokens.shape
+        B, T = tokens.shape[:2]
         self.kv.check_room(T)
         last = None
         for start in range(0, T, MAX_STEP):

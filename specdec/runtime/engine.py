@@ -20,12 +20,14 @@ from specdec.runtime.draft_len import AdaptiveDraftLen, DraftLenPolicy, FixedDra
 from specdec.runtime.drafters.base import Drafter
 from specdec.runtime.drafters.draft_model import ModelDrafter
 from specdec.runtime.drafters.hybrid import LOOKUP_MIN_NGRAM, HybridDrafter
+from specdec.runtime.drafters.layerskip import LayerSkipDrafter
 from specdec.runtime.drafters.ngram import NgramDrafter
 from specdec.runtime.kv import KVCache
 from specdec.runtime.manifest import Manifest, read_manifest
 from specdec.runtime.sampling import SamplingConfig
 from specdec.runtime.session import RuntimeOptions, provider_list
 from specdec.runtime.speculative import SpecStats, speculate
+from specdec.runtime.split import ExitHead, SplitTarget
 from specdec.runtime.tokenizer import StreamDecoder, TextCodec
 
 # Longest draft the adaptive policy considers: with acceptance 0.8, an 9th draft token adds
@@ -126,20 +128,27 @@ class Engine:
             raise SpecdecError(f"--max-len {self.max_len} is outside 1..{m.model.max_position} (the model's positions)")
         self.codec = TextCodec(self.path / m.tokenizer.file, m.tokenizer.chat_template, m.tokenizer.bos_token_id,
                                m.tokenizer.eos_token_ids)
-        self.target = self._decoder("target")
+        self.target: Decoder | SplitTarget = self._split_target() if m.split_target else self._decoder("target")
         self._drafters: dict[str, Drafter | None] = {}
         self.use_drafter(drafter or m.drafter.kind)
         self.cached_ids: list[int] = []  # what the target's KV holds, for prefix reuse across calls
         self.last_stats = SpecStats()
 
-    def _decoder(self, name: str) -> Decoder:
+    def _decoder(self, name: str, kv: KVCache | None = None) -> Decoder:
         g = self.manifest.graphs[name]
-        kv = KVCache(g.n_layers, 1, g.model.n_kv_heads, self.max_len, g.model.head_dim,
-                     device=self.runtime.device, device_id=self.runtime.device_id, dtype=g.kv_dtype)
+        if kv is None:
+            kv = KVCache(g.model.n_layers, 1, g.model.n_kv_heads, self.max_len, g.model.head_dim,
+                         device=self.runtime.device, device_id=self.runtime.device_id, dtype=g.kv_dtype)
         return Decoder(self.path / g.file, g, g.model, kv, self.runtime)
 
+    def _split_target(self) -> SplitTarget:
+        """A LayerSkip bundle's target: its exit and tail slices over one cache (the full graph is not loaded,
+        so drafting adds no second copy of any weight)."""
+        exit_slice = self._decoder("exit")
+        return SplitTarget(exit_slice, self._decoder("tail", kv=exit_slice.kv))
+
     def use_drafter(self, kind: str) -> None:
-        """Switch drafter ("none", "ngram", "model", "hybrid"); each is built once and kept."""
+        """Switch drafter ("none", "ngram", "model", "hybrid", "layerskip"); each is built once and kept."""
         if kind not in self._drafters:
             self._drafters[kind] = self._make_drafter(kind)
         self.drafter_kind, self.drafter = kind, self._drafters[kind]
@@ -154,7 +163,7 @@ class Engine:
             raise SpecdecError(f"draft bundle {bundle} has a different vocabulary from {self.path}",
                                "a draft model must share the target's tokenizer")
         g = other.graphs["target"]
-        kv = KVCache(g.n_layers, 1, g.model.n_kv_heads, self.max_len, g.model.head_dim,
+        kv = KVCache(g.model.n_layers, 1, g.model.n_kv_heads, self.max_len, g.model.head_dim,
                      device=self.runtime.device, device_id=self.runtime.device_id, dtype=g.kv_dtype)
         self._drafters[name] = ModelDrafter(Decoder(Path(bundle) / g.file, g, g.model, kv, self.runtime))
 
@@ -177,7 +186,12 @@ class Engine:
                 return model
             # Shares the model drafter (and its KV) with kind "model": one copy of the draft weights.
             return HybridDrafter(NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM), model)
-        raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram, model or hybrid")
+        if kind == "layerskip":
+            if not isinstance(self.target, SplitTarget):
+                raise SpecdecError(f"bundle {self.path} has no LayerSkip exit", "re-export with --drafter layerskip")
+            vocab = np.load(self.path / m.drafter.draft_vocab)
+            return LayerSkipDrafter(self.target, ExitHead(self.path / m.drafter.exit_head, vocab, self.runtime))
+        raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram, model, hybrid or layerskip")
 
     def _draft_len_policy(self, draft_len: int | str | None) -> DraftLenPolicy | None:
         if draft_len is None:
@@ -185,7 +199,7 @@ class Engine:
         policy = choose_policy(draft_len, self.drafter is not None, self._cached_costs)
         if isinstance(policy, AdaptiveDraftLen):
             # A lookup drafts in microseconds against a forward's milliseconds; a model at its measured step.
-            policy.source_draft_s = {"lookup": 0.0, "model": policy.draft_s}
+            policy.source_draft_s = {"lookup": 0.0, "model": policy.draft_s, "exit": policy.draft_s}
         return policy
 
     def _cached_costs(self) -> tuple[list[float], float]:
@@ -206,6 +220,10 @@ class Engine:
         if isinstance(model, ModelDrafter):
             dec = model.decoder
             draft = median_seconds(lambda: dec.forward(np.zeros((1, 1), dtype=np.int64)))
+        if isinstance(model, LayerSkipDrafter):
+            exit_slice, head = model.target.exit, model.head
+            residual = np.zeros(self.manifest.model.hidden_size, dtype=np.float32)
+            draft = median_seconds(lambda: (exit_slice.forward(np.zeros((1, 1), dtype=np.int64)), head.logits(residual)))
         return verify, draft
 
     def reset(self) -> None:

@@ -22,7 +22,7 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 # Precisions whose graphs need a GPU to be worth running: the CPU provider has fp16 kernels, but they are
 # slower than fp32 there (FACTS: 100 vs 44 us for one attention node) and less exact.
 GPU_PRECISIONS = ("fp16",)
-DRAFTER_KINDS = ("none", "ngram", "model")
+DRAFTER_KINDS = ("none", "ngram", "model", "layerskip")
 
 
 def _require(cond: bool, what: str) -> None:
@@ -77,21 +77,35 @@ class GraphSpec:
     file: str
     model: ModelConfig  # the decoder this graph runs (a draft model's differs from the target's)
     precision: str
-    n_layers: int  # how many KV layers this graph reads and writes (fewer than model.n_layers for early exit)
+    n_layers: int  # the graph runs layers [first_layer, n_layers) and reads/writes their K/V
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     hidden_layers: tuple[int, ...] = ()  # residual-stream taps exposed as outputs `hidden.{i}`
     quant: dict[str, Any] = field(default_factory=dict)  # quantizer settings, recorded for reports
     checks: dict[str, Any] = field(default_factory=dict)  # export-time measurements (e.g. max logit diff)
+    # > 0: a slice of the target starting at this layer, fed the residual stream (`hidden_in`), not token ids
+    first_layer: int = 0
 
     def __post_init__(self) -> None:
         _require(self.precision in PRECISIONS, f"graph precision must be one of {PRECISIONS}, got {self.precision!r}")
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
         object.__setattr__(self, "hidden_layers", tuple(int(i) for i in self.hidden_layers))
-        _require("logits" in self.outputs, f"graph {self.file} has no 'logits' output")
+        _require(self.has_logits or self.n_layers in self.hidden_layers,
+                 f"graph {self.file} has neither a 'logits' output nor a hidden.{self.n_layers} tap")
         _require(0 < self.n_layers <= self.model.n_layers,
                  f"graph {self.file}: n_layers must be in 1..{self.model.n_layers}, got {self.n_layers}")
+        _require(0 <= self.first_layer < self.n_layers,
+                 f"graph {self.file}: first_layer must be in 0..{self.n_layers - 1}, got {self.first_layer}")
+
+    @property
+    def has_logits(self) -> bool:
+        return "logits" in self.outputs
+
+    @property
+    def entry(self) -> str:
+        """The graph's first input: token ids, or (a slice starting past layer 0) the residual stream."""
+        return "hidden_in" if self.first_layer else "input_ids"
 
     @property
     def t_invariant(self) -> bool:
@@ -112,6 +126,13 @@ class DrafterSpec:
     graph: str | None = None  # key into Manifest.graphs for kind == "model"
     max_ngram: int = 3
     draft_len: int = 4
+    # kind == "layerskip": the target is split at exit_layer into graphs "exit" (layers [0, E)) and "tail"
+    # (layers [E, L) + head) over one cache; exit_head is the ONNX file mapping the residual stream after
+    # layer E to logits over the draft vocabulary, draft_vocab the .npy file of the token ids they stand for.
+    exit_layer: int = 0
+    exit_head: str | None = None
+    draft_vocab: str | None = None
+    calibration: dict[str, Any] = field(default_factory=dict)  # export-time curve and adapter figures
 
     def __post_init__(self) -> None:
         _require(self.kind in DRAFTER_KINDS, f"drafter.kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
@@ -119,6 +140,9 @@ class DrafterSpec:
                  "drafter.graph is required for kind 'model' and only for it")
         _require(self.max_ngram >= 1, "drafter.max_ngram must be >= 1")
         _require(self.draft_len >= 1, "drafter.draft_len must be >= 1")
+        layerskip = self.kind == "layerskip"
+        _require(layerskip == (self.exit_layer > 0) == (self.exit_head is not None) == (self.draft_vocab is not None),
+                 "drafter.exit_layer, exit_head and draft_vocab are required for kind 'layerskip' and only for it")
 
 
 @dataclass(frozen=True)
@@ -142,6 +166,17 @@ class Manifest:
             _require(self.drafter.graph in self.graphs, f"drafter.graph {self.drafter.graph!r} is not in graphs")
         for name, g in self.graphs.items():
             _require(g.file in self.files, f"graph {name}: file {g.file} is not listed in files")
+        if self.drafter.kind == "layerskip":
+            E, L = self.drafter.exit_layer, self.model.n_layers
+            _require(0 < E < L, f"drafter.exit_layer must be in 1..{L - 1}, got {E}")
+            _require("exit" in self.graphs and "tail" in self.graphs, "a layerskip bundle needs graphs 'exit' and 'tail'")
+            ex, tail = self.graphs["exit"], self.graphs["tail"]
+            _require(ex.first_layer == 0 and ex.n_layers == E and E in ex.hidden_layers,
+                     f"graph 'exit' must run layers [0, {E}) and output hidden.{E}")
+            _require(tail.first_layer == E and tail.n_layers == L and tail.has_logits,
+                     f"graph 'tail' must run layers [{E}, {L}) and the LM head")
+            for f in (self.drafter.exit_head, self.drafter.draft_vocab):
+                _require(f in self.files, f"drafter file {f} is not listed in files")
         _require(self.tokenizer.file in self.files, f"tokenizer file {self.tokenizer.file} is not listed in files")
         _require(0 < self.default_max_len <= self.model.max_position,
                  f"default_max_len must be in (0, {self.model.max_position}], got {self.default_max_len}")
@@ -150,6 +185,11 @@ class Manifest:
     def model(self) -> ModelConfig:
         """The target's config."""
         return self.graphs["target"].model
+
+    @property
+    def split_target(self) -> bool:
+        """Whether the runtime runs the target as its exit and tail slices (LayerSkip), whatever the drafter."""
+        return self.drafter.kind == "layerskip"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"

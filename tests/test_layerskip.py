@@ -1,0 +1,137 @@
+"""LayerSkip self-speculation on tiny random models: split = full target, shared-KV drafting is lossless."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from specdec.errors import SpecdecError  # noqa: E402
+from specdec.export.bundle import ExportConfig, export_bundle  # noqa: E402
+from specdec.export.layerskip import LayerSkipConfig, best_draft_len  # noqa: E402
+from specdec.runtime.engine import Engine, GenerationConfig  # noqa: E402
+from specdec.runtime.sampling import SamplingConfig  # noqa: E402
+from conftest import make_checkpoint  # noqa: E402
+
+QUICK = dict(prompts=12, new_tokens=24, epochs=2, draft_vocab=200)
+PROMPTS = ["the quick brown fox", "speculative decoding drafts tokens", "hello world, this is"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, tiny_tokenizer):
+    return make_checkpoint(tmp_path_factory.mktemp("ls") / "ckpt4", seed=3, n_layers=4, tokenizer=tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory, ckpt):
+    root = tmp_path_factory.mktemp("lsb")
+    export_bundle(ckpt, root / "ls", ExportConfig(drafter="layerskip", max_len=256,
+                                                  layerskip=LayerSkipConfig(exit_layer=2, **QUICK)))
+    export_bundle(ckpt, root / "auto", ExportConfig(drafter="layerskip", max_len=256,
+                                                    layerskip=LayerSkipConfig(adapter=False, **QUICK)))
+    export_bundle(ckpt, root / "plain", ExportConfig(drafter="none", max_len=256))
+    return root
+
+
+def test_split_graphs_share_the_target_weights(bundles):
+    ls = bundles / "ls"
+    m = json.loads((ls / "specdec.json").read_text())
+    assert m["drafter"]["kind"] == "layerskip" and m["drafter"]["exit_layer"] == 2
+    assert m["graphs"]["tail"]["checks"]["max_abs_logit_diff_vs_target_graph"] <= 1e-4
+    # exit.onnx and tail.onnx point into target.onnx.data: no weight file of their own.
+    assert not (ls / "exit.onnx.data").exists() and not (ls / "tail.onnx.data").exists()
+    target_data = (ls / "target.onnx.data").stat().st_size
+    assert (ls / "exit.onnx").stat().st_size + (ls / "tail.onnx").stat().st_size < 0.05 * target_data
+    curve = m["drafter"]["calibration"]["curve"]
+    assert [c["exit_layer"] for c in curve] == [1, 2, 3]
+    assert all(0.0 <= c["agreement"] <= 1.0 for c in curve)
+
+
+def test_auto_exit_layer_is_the_best_predicted(bundles):
+    m = json.loads((bundles / "auto" / "specdec.json").read_text())
+    curve = m["drafter"]["calibration"]["curve"]
+    best = max(curve, key=lambda c: c["predicted_speedup"])["exit_layer"]
+    assert m["drafter"]["exit_layer"] == best
+    assert m["drafter"]["calibration"]["exit_layer_chosen_by"] == "calibration"
+
+
+def test_shared_kv_verification_equals_a_full_forward(bundles):
+    """Drafting writes layers < E; verification reuses them: the logits are the full target's."""
+    from specdec.runtime.drafters.layerskip import LayerSkipDrafter
+
+    e, full = Engine(bundles / "ls", drafter="layerskip"), Engine(bundles / "plain", drafter="none")
+    ids = np.random.default_rng(0).integers(4, 300, size=(1, 30))
+    e.target.prefill(ids)
+    full.target.prefill(ids)
+    drafter: LayerSkipDrafter = e.drafter
+    drafter.begin(ids[0].tolist(), SamplingConfig(), np.random.default_rng(0))
+    context = ids[0].tolist() + [7]  # the last emitted token, not yet in the cache
+    e.target.kv.truncate(29)
+    full.target.kv.truncate(29)
+    draft = drafter.propose(context[:-1] + [int(ids[0, -1])], 4)
+    assert int(e.target.kv.lengths[0]) == 29  # drafting leaves the valid length where it was
+    step = np.asarray([[int(ids[0, -1]), *draft.tokens]], dtype=np.int64)
+    got = e.target.forward(step).copy()
+    want = full.target.forward(step)
+    assert np.abs(got - want).max() < 1e-4
+
+
+@pytest.mark.parametrize("draft_len", [1, 3, 6, "auto"])
+def test_greedy_layerskip_equals_plain_greedy(bundles, draft_len):
+    ls, plain = Engine(bundles / "ls", drafter="layerskip"), Engine(bundles / "plain", drafter="none")
+    for prompt in PROMPTS:
+        want = plain.generate(prompt, GenerationConfig(max_new_tokens=40, draft_len=0)).token_ids
+        got = ls.generate(prompt, GenerationConfig(max_new_tokens=40, draft_len=draft_len))
+        assert got.token_ids == want
+        assert ls.last_stats.drafted > 0
+    # Plain decoding of the layerskip bundle (exit + tail, no drafts) is the same text too.
+    ls.use_drafter("none")
+    assert ls.generate(PROMPTS[0], GenerationConfig(max_new_tokens=40)).token_ids == \
+        plain.generate(PROMPTS[0], GenerationConfig(max_new_tokens=40, draft_len=0)).token_ids
+
+
+def test_layerskip_sampling_is_seeded_and_valid(bundles):
+    e = Engine(bundles / "ls", drafter="layerskip")
+    cfg = GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(temperature=0.8, top_p=0.9), seed=5, draft_len=3)
+    a, b = e.generate(PROMPTS[1], cfg), e.generate(PROMPTS[1], cfg)
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+
+
+def test_bad_layerskip_requests(ckpt, tmp_path, tiny_bundle):
+    with pytest.raises(SpecdecError, match="out of range"):
+        export_bundle(ckpt, tmp_path / "x", ExportConfig(drafter="layerskip", max_len=256,
+                                                         layerskip=LayerSkipConfig(exit_layer=4, **QUICK)))
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
+    with pytest.raises(SpecdecError, match="exit-layer must be >= 1"):
+        LayerSkipConfig(exit_layer=0)
+    with pytest.raises(SpecdecError, match="not supported yet"):
+        ExportConfig(drafter="layerskip", precision="int4")
+    with pytest.raises(SpecdecError, match="no LayerSkip exit"):
+        Engine(tiny_bundle, drafter="layerskip")
+
+
+def test_adapter_learns_a_transform_of_the_residual_stream():
+    from specdec.export.layerskip import _rms, _train_adapter
+
+    torch.manual_seed(0)
+    D, N = 32, 50
+    h = torch.randn(2048, D)
+    rot = torch.linalg.qr(torch.randn(D, D))[0]
+    final = _rms(h @ rot, 1e-5)  # the target's last state: a rotation of the exit's
+    head = torch.randn(N, D)
+    g = torch.ones(D)
+    module = _train_adapter(h, final, head, g, 1e-5, LayerSkipConfig(adapter_rank=16, epochs=30))
+
+    def agree(x):
+        return float(((_rms(x, 1e-5) @ head.T).argmax(-1) == (final @ head.T).argmax(-1)).float().mean())
+
+    with torch.no_grad():
+        assert agree(module(h)) > agree(h) + 0.2
+
+
+def test_best_draft_len_arithmetic():
+    assert best_draft_len(0.0, 0.5) == (0, 1.0)  # nothing accepted: do not draft
+    k, s = best_draft_len(0.9, 0.05)  # cheap and good: draft long
+    assert k >= 5 and s > 2.0
