@@ -127,18 +127,22 @@ def _print_layerskip_calibration(spec) -> None:
     cal = spec.calibration
     t = Table(title=f"layerskip calibration: {cal['answer_tokens']} answer tokens, draft vocabulary {cal['draft_vocab']} "
                     f"(covers {cal['draft_vocab_coverage']:.1%} of held-out answer tokens)")
-    for col in ("exit layer", "top-1 agreement", "draft cost", "best k", "predicted speed-up"):
+    for col in ("exit layer", "draft cost", "agreement", "best k", "speed-up", "with adapter", "best k", "speed-up"):
         t.add_column(col, justify="right")
     for c in cal["curve"]:
         mark = " <" if c["exit_layer"] == spec.exit_layer else ""
-        t.add_row(f"{c['exit_layer']}{mark}", f"{c['agreement']:.3f}", f"{c['draft_cost']:.3f}", str(c["best_k"]),
-                  f"{c['predicted_speedup']:.2f}x")
+        adapted = [f"{c['agreement_adapter']:.3f}", str(c["best_k_adapter"]), f"{c['predicted_speedup_adapter']:.2f}x"] \
+            if "agreement_adapter" in c else ["", "", ""]
+        t.add_row(f"{c['exit_layer']}{mark}", f"{c['draft_cost']:.3f}", f"{c['agreement']:.3f}", str(c["best_k"]),
+                  f"{c['predicted_speedup']:.2f}x", *adapted)
     Console(stderr=True).print(t)
-    if "adapter" in cal:
-        a = cal["adapter"]
-        click.echo(f"exit adapter (rank {a['rank']}, {a['train_tokens']} tokens, {a['train_s']} s): held-out agreement "
-                   f"{a['held_out_agreement_without']:.3f} -> {a['held_out_agreement_with']:.3f} "
-                   f"({'kept' if a['kept'] else 'dropped'})", err=True)
+    a = cal.get("adapter")
+    kept = "adapter kept" if a and a["kept"] else "no adapter"
+    click.echo(f"exit layer {spec.exit_layer} ({cal['exit_layer_chosen_by']}), {kept}: predicted speed-up "
+               f"{cal['predicted_speedup']:.2f}x (draft cost in bytes read; `specdec bench` measures)", err=True)
+    if cal["predicted_speedup"] <= 1.0:
+        click.echo("note: no exit layer is predicted to pay on this model (it was not trained for early exit); "
+                   "with --draft-len auto the runtime drafts only when measured acceptance pays", err=True)
 
 
 def _runtime_options(provider: str, threads: int, bundle: Path | None = None):

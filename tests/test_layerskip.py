@@ -52,8 +52,13 @@ def test_split_graphs_share_the_target_weights(bundles):
 def test_auto_exit_layer_is_the_best_predicted(bundles):
     m = json.loads((bundles / "auto" / "specdec.json").read_text())
     curve = m["drafter"]["calibration"]["curve"]
-    best = max(curve, key=lambda c: c["predicted_speedup"])["exit_layer"]
-    assert m["drafter"]["exit_layer"] == best
+    chosen = next(c for c in curve if c["exit_layer"] == m["drafter"]["exit_layer"])
+    assert chosen["predicted_speedup"] == max(c["predicted_speedup"] for c in curve)
+    if chosen["predicted_speedup"] <= 1.0:  # nothing pays: the closest with one draft, most accepted among those
+        def one(c):
+            return (1 + c["agreement"]) / (1 + c["draft_cost"])
+        close = [c for c in curve if one(c) >= max(map(one, curve)) - 0.01]
+        assert chosen["agreement"] == max(c["agreement"] for c in close)
     assert m["drafter"]["calibration"]["exit_layer_chosen_by"] == "calibration"
 
 

@@ -183,3 +183,55 @@ def test_fast_kernels_are_opt_in_and_flagged(tiny_bundle, tmp_path):
     assert fast.quant["accuracy_level"] == 4
     with pytest.raises(SpecdecError, match="fast-kernels"):
         quantize_bundle(tiny_bundle, tmp_path / "fp16", "fp16", fast_kernels=True)
+
+
+def _matmul_model(W):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    K, N = W.shape
+    g = helper.make_graph([helper.make_node("MatMul", ["A", "W"], ["Y"], name="lm_head")], "g",
+                          [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, None, K])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, None, N])],
+                          initializer=[numpy_helper.from_array(W, "W")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    return m
+
+
+@pytest.mark.parametrize("grid", ["q4_1", "q8_0", "none"])
+def test_minmax_reencodes_gguf_grids_exactly_and_rounds_the_rest(grid):
+    """Weights that lie on a Q4_1 (4-bit, offset) or Q8_0 (8-bit symmetric) block grid come back exactly;
+    others are rounded (here the 'head' to head_bits=8), within a half step."""
+    import onnxruntime as ort
+
+    from specdec.quant.weight_only import WeightQuantConfig, quantize_minmax
+
+    rng = np.random.default_rng(0)
+    K, N, bs = 64, 48, 32
+    d = rng.uniform(0.01, 0.05, size=(N, K // bs, 1)).astype(np.float16).astype(np.float32)
+    if grid == "q4_1":
+        m = rng.uniform(-0.4, -0.2, size=(N, K // bs, 1)).astype(np.float16).astype(np.float32)
+        q = rng.integers(0, 16, size=(N, K // bs, bs))
+        q[..., 0], q[..., 1] = 0, 15  # Q4_1 blocks span their whole range
+        blocks = d * q + m
+    elif grid == "q8_0":
+        q = rng.integers(-127, 128, size=(N, K // bs, bs))
+        q[..., 0] = 127
+        blocks = d * q
+    else:
+        blocks = rng.standard_normal((N, K // bs, bs)).astype(np.float32) * 0.05
+    W = np.ascontiguousarray(blocks.reshape(N, K).T).astype(np.float32)  # [K, N]
+    model = quantize_minmax(_matmul_model(W), WeightQuantConfig(bits=4, method="minmax", head_bits=8))
+    choice = model.metadata_props[-1].value
+    x = rng.standard_normal((1, 3, K)).astype(np.float32)
+    so = ort.SessionOptions()
+    so.use_per_session_threads = False  # other tests in this process set up specdec's global pool
+    y = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"A": x})[0]
+    err = np.abs(y - x @ W).max() / np.abs(x @ W).max()
+    if grid == "q4_1":
+        assert "4bit_asym_exact" in choice and err < 1e-5
+    elif grid == "q8_0":
+        assert "8bit_sym_exact" in choice and err < 1e-5
+    else:
+        assert "8bit_sym_rtn" in choice and 1e-5 < err < 2e-2  # the head's fallback: 8 bits, not 4

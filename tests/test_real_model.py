@@ -48,3 +48,37 @@ def test_speculative_greedy_identical_on_the_real_model(real_bundle, drafter):
         assert spec.token_ids == plain.token_ids, (drafter, prompt)
         if drafter != "ngram":
             assert spec.stats.tau > 2.0  # the int8 self-draft agrees with the fp32 target most of the time
+
+
+def test_layerskip_on_the_real_model(real_bundle, tmp_path_factory):
+    """Exit at layer 24 with a trained adapter: drafts are accepted and greedy output equals plain decoding."""
+    from specdec.export.bundle import ExportConfig, export_bundle
+    from specdec.export.layerskip import LayerSkipConfig
+
+    out = tmp_path_factory.mktemp("real") / "smollm2-ls"
+    export_bundle(None, out, ExportConfig(drafter="layerskip", max_len=1024,
+                                          layerskip=LayerSkipConfig(exit_layer=24, prompts=48, new_tokens=64)))
+    ls = specdec.load(out)
+    cal = ls.manifest.drafter.calibration
+    assert cal["adapter"]["held_out_agreement_with"] > cal["adapter"]["held_out_agreement_without"]
+    plain = specdec.load(real_bundle, drafter="none")
+    for prompt in PROMPTS:
+        want = plain.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=0)).token_ids
+        got = ls.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=2))
+        assert got.token_ids == want, prompt
+        assert got.stats.accepted > 0
+
+
+def test_int4_reencodes_the_gguf_weights(real_bundle, tmp_path_factory):
+    """The default model's Q4_1 layers and Q8_0 head come back exactly at int4: logits match the fp32 bundle."""
+    import numpy as np
+
+    from specdec.quant.bundle import quantize_bundle
+    from specdec.quant.report import teacher_forced_logits
+
+    out = quantize_bundle(real_bundle, tmp_path_factory.mktemp("real") / "smollm2-int4", "int4")
+    fp32, int4 = specdec.load(real_bundle, drafter="none"), specdec.load(out, drafter="none")
+    ids = fp32.encode(PROMPTS[1])
+    a, b = teacher_forced_logits(fp32.target, ids), teacher_forced_logits(int4.target, ids)
+    assert np.abs(a - b).max() < 5e-3
+    assert (a.argmax(-1) == b.argmax(-1)).all()

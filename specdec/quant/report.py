@@ -20,6 +20,9 @@ from specdec.runtime.engine import Engine, GenerationConfig
 
 FORWARD_PAST = 200
 FORWARD_REPS = 15
+# The bandwidth floor is taken against a matrix-vector product over this many bytes of fp32 weights (numpy's
+# BLAS, all cores): far past any cache, it streams from memory the way a decode step does.
+BANDWIDTH_PROBE_BYTES = 512 << 20
 
 
 def teacher_forced_logits(dec: Decoder, ids: Sequence[int]) -> np.ndarray:
@@ -87,6 +90,43 @@ def forward_ms(dec: Decoder, widths=(1, 5)) -> dict[str, float]:
     return out
 
 
+def read_bandwidth_gbs(n_bytes: int = BANDWIDTH_PROBE_BYTES, reps: int = 7) -> float:
+    """Memory read bandwidth a decode step can reach: the best of `reps` fp32 matrix-vector products over
+    `n_bytes` of weights (GB/s of weights read)."""
+    cols = 4096
+    w = np.ones((n_bytes // 4 // cols, cols), dtype=np.float32)  # [rows, cols]
+    x = np.ones(w.shape[0], dtype=np.float32)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x @ w
+        best = min(best, time.perf_counter() - t0)
+    return w.nbytes / best / 1e9
+
+
+def bytes_per_token(engine: Engine) -> int:
+    """Bytes a T=1 step of the target reads at past FORWARD_PAST: every weight, except embedding tables that
+    are only gathered from (one row each), plus the K/V of the past."""
+    import onnx
+
+    from onnx import external_data_helper
+
+    g = engine.manifest.graphs["target"]
+    model = onnx.load_model(str(engine.path / g.file), load_external_data=False)
+    gathered = {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
+    other_uses = {i for n in model.graph.node if n.op_type != "Gather" for i in n.input}
+    total = 0
+    for t in model.graph.initializer:
+        size = external_data_helper.ExternalDataInfo(t).length if t.data_location == onnx.TensorProto.EXTERNAL \
+            else len(t.raw_data)
+        if t.name in gathered and t.name not in other_uses:
+            size = size // max(t.dims[0], 1) if t.dims else size  # one row
+        total += int(size or 0)
+    m = g.model
+    kv = m.n_layers * 2 * m.n_kv_heads * m.head_dim * FORWARD_PAST * g.kv_dtype.itemsize
+    return total + kv
+
+
 def graph_bytes(engine: Engine) -> int:
     g = engine.manifest.graphs["target"]
     return sum((engine.path / f).stat().st_size for f in engine.manifest.files
@@ -123,10 +163,17 @@ def quant_report(bundle_a: Path, bundle_b: Path, prompts: list, max_new_tokens: 
         g = a.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len))
         drafted, accepted, forwards = drafted + g.stats.drafted, accepted + g.stats.accepted, forwards + g.stats.target_forwards
     n = max(totals["n"], 1)
-    row = lambda e, inv: {"precision": e.manifest.graphs["target"].precision, "quant": e.manifest.graphs["target"].quant,  # noqa: E731
-                          "size_mb": round(graph_bytes(e) / 1e6, 1), "forward_ms": forward_ms(e.target),
-                          "t_invariance_max_abs_logit": inv}
+    bandwidth = read_bandwidth_gbs()
+
+    def row(e: Engine, inv: float) -> dict:
+        g, fwd, read = e.manifest.graphs["target"], forward_ms(e.target), bytes_per_token(e)
+        floor_ms = read / (bandwidth * 1e9) * 1000
+        return {"precision": g.precision, "quant": g.quant, "size_mb": round(graph_bytes(e) / 1e6, 1), "forward_ms": fwd,
+                "bytes_per_token": read, "floor_ms": floor_ms, "t1_over_floor": fwd["T=1"] / floor_ms,
+                "t_invariance_max_abs_logit": inv}
+
     return {
+        "read_bandwidth_gbs": bandwidth,
         "a": {"bundle": str(bundle_a), **row(a, inv_a), "perplexity": float(np.exp(totals["nll_a"] / n))},
         "b": {"bundle": str(bundle_b), **row(b, inv_b), "perplexity": float(np.exp(totals["nll_b"] / n))},
         "tokens": totals["n"],
@@ -152,6 +199,10 @@ def render(report: dict):
     t.add_row("size on disk (MB)", f"{a['size_mb']:.0f}", f"{b['size_mb']:.0f}")
     for w in ("T=1", "T=5"):
         t.add_row(f"ms per forward {w}", f"{a['forward_ms'][w]:.1f}", f"{b['forward_ms'][w]:.1f}")
+    if "floor_ms" in a:
+        t.add_row(f"bytes read per token (MB) -> floor ms at {report['read_bandwidth_gbs']:.1f} GB/s",
+                  f"{a['bytes_per_token'] / 1e6:.0f} -> {a['floor_ms']:.1f}", f"{b['bytes_per_token'] / 1e6:.0f} -> {b['floor_ms']:.1f}")
+        t.add_row("T=1 forward / floor", f"{a['t1_over_floor']:.2f}x", f"{b['t1_over_floor']:.2f}x")
     t.add_row("perplexity on A's answers", f"{a['perplexity']:.3f}", f"{b['perplexity']:.3f}")
     t.add_row("T=5 vs 5xT=1 max |dlogit|", f"{a['t_invariance_max_abs_logit']:.1e}", f"{b['t_invariance_max_abs_logit']:.1e}")
     t.add_row("mean KL(A||B)", "", f"{report['mean_kl_a_b']:.4f}")
