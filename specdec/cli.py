@@ -145,6 +145,53 @@ def _print_layerskip_calibration(spec) -> None:
                    "with --draft-len auto the runtime drafts only when measured acceptance pays", err=True)
 
 
+@main.command("train-drafter")
+@click.argument("model", required=False)
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True,
+              help="Draft bundle folder to write.")
+@click.option("--kind", type=click.Choice(["draft-model"]), required=True,
+              help="draft-model: a few of the target's layers, trained on its own answers (KL to its distribution).")
+@click.option("--layers", default=4, show_default=True, help="Layers of the draft model (copied from the target's).")
+@click.option("--intermediate-size", type=int, default=None,
+              help="MLP width of the draft model (default: the target's).")
+@click.option("--prompts", default=400, show_default=True, help="Prompts (specdec's own) the target answers.")
+@click.option("--new-tokens", default=128, show_default=True, help="Answer tokens per prompt.")
+@click.option("--epochs", default=2, show_default=True, help="Passes over the answers.")
+@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@friendly
+def train_drafter(model, out_dir, kind, layers, intermediate_size, prompts, new_tokens, epochs, force):
+    """Train a drafter for MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct) into a bundle."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from specdec.export.distill import REPORT_NAME, DistillConfig, train_draft_model
+
+    cfg = DistillConfig(n_layers=layers, intermediate_size=intermediate_size, prompts=prompts, new_tokens=new_tokens,
+                        epochs=epochs, force=force)
+    t0 = time.perf_counter()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False,
+                  disable=not sys.stderr.isatty(), console=None) as progress:
+        state = {"task": None}
+
+        def step(desc: str) -> None:
+            if state["task"] is not None:
+                progress.update(state["task"], completed=1, total=1)
+            state["task"] = progress.add_task(desc, total=None)
+            if not sys.stderr.isatty():
+                click.echo(f"- {desc}", err=True)
+
+        r = train_draft_model(model, out_dir, cfg, step=step)
+        progress.update(state["task"], completed=1, total=1)
+    size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
+    click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, {kind}: {r['n_layers']} of {r['target_layers']} layers, "
+               f"{r['student_params'] / 1e6:.1f}M of {r['target_params'] / 1e6:.1f}M parameters) "
+               f"in {time.perf_counter() - t0:.0f} s")
+    click.echo(f"{r['answer_tokens']} answer tokens (generation {r['generation_s']:.0f} s, training "
+               f"{r['training_s']:.0f} s); KL to the target {r['first_epoch_kl']:.3f} -> {r['last_epoch_kl']:.3f} "
+               f"(first -> last epoch); held-out top-1 agreement {r['held_out_agreement_before']:.3f} -> "
+               f"{r['held_out_agreement_after']:.3f}; report in {out_dir / REPORT_NAME}")
+    click.echo(f"use it: specdec export {model + ' ' if model else ''}-o DIR --drafter model:{out_dir}")
+
+
 def _runtime_options(provider: str, threads: int, bundle: Path | None = None):
     from specdec.runtime.session import RuntimeOptions
 

@@ -1,7 +1,6 @@
 """Tiny random-weight models built inside the tests: seconds, not minutes."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

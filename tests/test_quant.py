@@ -186,7 +186,6 @@ def test_fast_kernels_are_opt_in_and_flagged(tiny_bundle, tmp_path):
 
 
 def _matmul_model(W):
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     K, N = W.shape
