@@ -98,8 +98,8 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L)
         else:
             qcfg = TARGET_PRESETS[cfg.precision]
-            save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
-                       partial / "target.onnx")
+            head_weights = weights.with_own_lm_head() if qcfg.quantizes_head else weights
+            save_graph(quantize_weights(build_decoder_graph(model_cfg, head_weights), qcfg), partial / "target.onnx")
             graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, quant=qcfg.to_dict())
         step("checking target graph against transformers")
         check = check_logits(source.model, partial / "target.onnx", graphs["target"])

@@ -91,7 +91,9 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
             cfg = (FAST_TARGET_PRESETS if fast_kernels else TARGET_PRESETS)[precision]
             if block_size is not None:
                 cfg = replace(cfg, block_size=block_size)  # validated by WeightQuantConfig
-            model = untie_embedding(onnx.load(str(src / g.file)))
+            model = onnx.load(str(src / g.file))
+            if cfg.quantizes_head:
+                model = untie_embedding(model)
             save_graph(quantize_weights(model, cfg), partial / g.file)
             target = replace(g, precision=precision, quant=cfg.to_dict(), checks={})
         files = {p.relative_to(partial).as_posix(): sha256_file(p) for p in sorted(partial.rglob("*")) if p.is_file()}

@@ -26,10 +26,11 @@ class WeightQuantConfig:
     # first re-encoded exactly where its values already lie on a 4- or 8-bit block grid (a GGUF's Q4_1/Q8_0
     # weights, dequantized at export), else round-to-nearest at `bits` (the LM head at `head_bits`).
     method: str = "rtn"
-    head_bits: int | None = None  # minmax: bits of the LM head when not exact (None = `bits`)
+    # minmax: bits of the LM head when not exact (None = `bits`); 32 keeps it in fp32 (and tied to the embedding)
+    head_bits: int | None = None
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8) or self.head_bits not in (None, 4, 8):
+        if self.bits not in (4, 8) or self.head_bits not in (None, 4, 8, 32):
             raise ValueError(f"bits must be 4 or 8, got {self.bits} (head {self.head_bits})")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
@@ -37,6 +38,11 @@ class WeightQuantConfig:
             raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ValueError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
+
+    @property
+    def quantizes_head(self) -> bool:
+        """False: the LM head stays fp32, so a tied head keeps sharing its one matrix with the embedding."""
+        return self.head_bits != 32
 
     @property
     def t_invariant(self) -> bool:
@@ -70,9 +76,10 @@ def quantize_weights(model: onnx.ModelProto, cfg: WeightQuantConfig) -> onnx.Mod
 # steps compute and greedy speculation stays token-identical.
 TARGET_PRESETS = {
     "int8": WeightQuantConfig(bits=8, block_size=32, accuracy_level=0),
-    # minmax: a GGUF's Q4_1 layers and Q8_0 head re-encoded bit for bit (int4 layers + 8-bit head); other
-    # weights round to 4 bits, the head to 8 (it is read every step and its errors move every logit).
-    "int4": WeightQuantConfig(bits=4, block_size=32, accuracy_level=0, method="minmax", head_bits=8),
+    # minmax: a GGUF's Q4_1 layers re-encoded bit for bit; other weights round to 4 bits. The LM head stays fp32
+    # (tied to the embedding, stored once): 8-bit weights with fp32 activations have no fast kernel on CPUs
+    # without VNNI (SmolLM2 on a 2-core AVX2 CPU: 108-180 ms per token with an 8-bit head, 18 ms with fp32).
+    "int4": WeightQuantConfig(bits=4, block_size=32, accuracy_level=0, method="minmax", head_bits=32),
 }
 # Opt-in only (`specdec quantize --fast-kernels`): int8-activation kernels, 2.5-10x faster per step on a
 # CPU without VNNI than the T-invariant ones (which fall back to slow paths there), but a T-token step
@@ -154,6 +161,9 @@ def quantize_minmax(model: onnx.ModelProto, cfg: WeightQuantConfig) -> onnx.Mode
         K, N = W.shape
         nb = K // bs
         blocks = np.ascontiguousarray(W.T).reshape(N, nb, bs)  # [N, nb, bs]: MatMulNBits blocks run along K
+        if node.name == HEAD_NAME and not cfg.quantizes_head:
+            new_nodes.append(node)
+            continue
         fallback = (cfg.head_bits or cfg.bits) if node.name == HEAD_NAME else cfg.bits
         for bits, symmetric in ((4, False), (4, True), (8, True), (8, False), (fallback, cfg.symmetric)):
             q, scale, offset, err = _grid(blocks, bits, symmetric)
