@@ -1,6 +1,7 @@
 """The `specdec` command line. Bad input ends with one line saying what is wrong and what to do."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -88,8 +89,6 @@ def main() -> None:
 @friendly
 def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_layer, exit_adapter, calib_prompts):
     """Export MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct) into a bundle."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from specdec.export.bundle import ExportConfig, export_bundle
     from specdec.export.layerskip import LayerSkipConfig
 
@@ -100,24 +99,35 @@ def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_l
     cfg = ExportConfig(drafter=drafter, precision=precision, max_len=max_len, draft_len=draft_len, force=force,
                        layerskip=layerskip)
     t0 = time.perf_counter()
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False,
-                  disable=not sys.stderr.isatty(), console=None) as progress:
-        state = {"task": None}
-
-        def step(desc: str) -> None:
-            if state["task"] is not None:
-                progress.update(state["task"], completed=1, total=1)
-            state["task"] = progress.add_task(desc, total=None)
-            if not sys.stderr.isatty():
-                click.echo(f"- {desc}", err=True)
-
+    with _stage_progress() as step:
         manifest = export_bundle(model, out_dir, cfg, step=step)
-        progress.update(state["task"], completed=1, total=1)
     if manifest.drafter.kind == "layerskip":
         _print_layerskip_calibration(manifest.drafter)
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
     click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, target {manifest.graphs['target'].precision}, "
                f"drafter {cfg.drafter}) in {time.perf_counter() - t0:.0f} s")
+
+
+@contextlib.contextmanager
+def _stage_progress():
+    """A spinner line per stage of a long job; yields `step(description)`, called as each stage starts. Without a
+    terminal each stage is one '- description' line on stderr instead."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False,
+                  disable=not sys.stderr.isatty(), console=None) as progress:
+        current = []
+
+        def step(desc: str) -> None:
+            if current:
+                progress.update(current[-1], completed=1, total=1)
+            current.append(progress.add_task(desc, total=None))
+            if not sys.stderr.isatty():
+                click.echo(f"- {desc}", err=True)
+
+        yield step
+        if current:
+            progress.update(current[-1], completed=1, total=1)
 
 
 def _print_layerskip_calibration(spec) -> None:
@@ -161,26 +171,13 @@ def _print_layerskip_calibration(spec) -> None:
 @friendly
 def train_drafter(model, out_dir, kind, layers, intermediate_size, prompts, new_tokens, epochs, force):
     """Train a drafter for MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct) into a bundle."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from specdec.export.distill import REPORT_NAME, DistillConfig, train_draft_model
 
     cfg = DistillConfig(n_layers=layers, intermediate_size=intermediate_size, prompts=prompts, new_tokens=new_tokens,
                         epochs=epochs, force=force)
     t0 = time.perf_counter()
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False,
-                  disable=not sys.stderr.isatty(), console=None) as progress:
-        state = {"task": None}
-
-        def step(desc: str) -> None:
-            if state["task"] is not None:
-                progress.update(state["task"], completed=1, total=1)
-            state["task"] = progress.add_task(desc, total=None)
-            if not sys.stderr.isatty():
-                click.echo(f"- {desc}", err=True)
-
+    with _stage_progress() as step:
         r = train_draft_model(model, out_dir, cfg, step=step)
-        progress.update(state["task"], completed=1, total=1)
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
     click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, {kind}: {r['n_layers']} of {r['target_layers']} layers, "
                f"{r['student_params'] / 1e6:.1f}M of {r['target_params'] / 1e6:.1f}M parameters) "
