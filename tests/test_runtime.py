@@ -188,7 +188,7 @@ def test_adaptive_policy_prefers_long_drafts_when_acceptance_is_high():
     p = AdaptiveDraftLen(verify_s=flat, draft_s=0.001, acceptance=0.9)
     for _ in range(50):
         p.update(4, 0)  # every first draft rejected
-    assert p.acceptance < 0.05 and p.next_k(8) <= 1
+    assert p.estimate().acceptance < 0.05 and p.next_k(8) <= 1
     assert p.next_k(2) <= 2
 
 
@@ -221,7 +221,7 @@ def test_adaptive_policy_probes_when_it_stops_drafting():
     assert ks[:-1] == [0] * (PROBE_EVERY - 1) and ks[-1] == 1
     for _ in range(30):  # probes that succeed raise the estimate the next choice is made from
         p.update(1, 1)
-    assert p.acceptance > 0.9
+    assert p.estimate().acceptance > 0.9
 
 
 def test_draft_model_stops_at_low_confidence_without_changing_output(engines):

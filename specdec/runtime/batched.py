@@ -441,12 +441,13 @@ class BatchedEngine:
             a = min(a, 0.999)
             return (1 - a ** (m + 1)) / (1 - a)
 
-        best = max(range(k_max + 1), key=lambda m: sum(tokens(row.policy.acceptance, min(m, found[r]))
+        best = max(range(k_max + 1), key=lambda m: sum(tokens(row.policy.estimate().acceptance, min(m, found[r]))
                                                        for r, row in rows.items()) / cost(m))
         ks = {r: min(best, found[r]) for r in rows}
         for r, row in rows.items():
             if ks[r] == 0 and found[r] > 0:  # written off this round: drift back toward the prior (see draft_len.py)
-                row.policy.acceptance += ACCEPT_EMA * (ACCEPT_PRIOR - row.policy.acceptance)
+                est = row.policy.estimate()
+                est.acceptance += ACCEPT_EMA * (ACCEPT_PRIOR - est.acceptance)
             if self.draft_model is None and ks[r] > 0:
                 d = looked[r]
                 drafts[r] = Draft(tokens=d.tokens[:ks[r]], p_draft=None if d.p_draft is None else d.p_draft[:ks[r]])

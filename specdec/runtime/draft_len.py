@@ -76,12 +76,11 @@ class AdaptiveDraftLen:
     """
 
     verify_s: list[float]  # verify_s[T-1]: seconds of a target step of width T, T = 1..k_max+1
-    draft_s: float  # seconds per drafted token of the default source ("")
-    acceptance: float = ACCEPT_PRIOR  # the default source's running acceptance
+    draft_s: float  # starting seconds per drafted token of a source without its own in source_draft_s
+    acceptance: float = ACCEPT_PRIOR  # starting acceptance of every source
     source_draft_s: dict[str, float] = field(default_factory=dict)  # measured cost per token of named sources
     history: list[int] = field(default_factory=list)  # chosen k per round, for stats
-    _sources: dict[str, SourceEstimate] = field(default_factory=dict)
-    _idle_rounds: int = 0
+    _sources: dict[str, SourceEstimate] = field(default_factory=dict)  # running estimates, by source
 
     def __post_init__(self) -> None:
         if len(self.verify_s) < 2:
@@ -91,33 +90,27 @@ class AdaptiveDraftLen:
     def k_max(self) -> int:
         return len(self.verify_s) - 1
 
-    def _estimate(self, source: str) -> SourceEstimate:
+    def estimate(self, source: str = "") -> SourceEstimate:
+        """The running estimates of `source` ("" for a drafter with one source)."""
         if source not in self._sources:
-            self._sources[source] = SourceEstimate(draft_s=self.source_draft_s.get(source, self.draft_s))
+            self._sources[source] = SourceEstimate(draft_s=self.source_draft_s.get(source, self.draft_s),
+                                                   acceptance=self.acceptance)
         return self._sources[source]
 
     def expected_rate(self, k: int, source: str = "") -> float:
-        a = min(self.acceptance if not source else self._estimate(source).acceptance, 0.999)
-        draft_s = self.draft_s if not source else self._estimate(source).draft_s
+        est = self.estimate(source)
+        a = min(est.acceptance, 0.999)
         tokens = (1 - a ** (k + 1)) / (1 - a)
-        return tokens / (k * draft_s + self.verify_s[k])
+        return tokens / (k * est.draft_s + self.verify_s[k])
 
     def next_k(self, limit: int, source: str = "") -> int:
+        est = self.estimate(source)
         k = max(range(min(self.k_max, limit) + 1), key=lambda k: self.expected_rate(k, source))
-        idle = self._bump_idle(source, k == 0)
-        if idle >= PROBE_EVERY and limit > 0:
-            k = 1
-            self._bump_idle(source, False)
+        est.idle_rounds = est.idle_rounds + 1 if k == 0 else 0
+        if est.idle_rounds >= PROBE_EVERY and limit > 0:
+            k, est.idle_rounds = 1, 0
         self.history.append(k)
         return k
-
-    def _bump_idle(self, source: str, idle: bool) -> int:
-        if not source:
-            self._idle_rounds = self._idle_rounds + 1 if idle else 0
-            return self._idle_rounds
-        est = self._estimate(source)
-        est.idle_rounds = est.idle_rounds + 1 if idle else 0
-        return est.idle_rounds
 
     def update(self, k: int, n_accepted: int, draft_s: float | None = None,
                verify_s: float | None = None, source: str = "") -> None:
@@ -125,17 +118,12 @@ class AdaptiveDraftLen:
             self.verify_s[k] += COST_EMA * (verify_s - self.verify_s[k])
         if k == 0:
             return
+        est = self.estimate(source)
+        if draft_s is not None:
+            est.draft_s += COST_EMA * (draft_s / k - est.draft_s)
         # Positions tried: the accepted ones plus the first rejection (if any); a geometric-trial estimate.
         trials = n_accepted + (n_accepted < k)
         weight = 1.0 - (1.0 - ACCEPT_EMA) ** trials
-        if not source:
-            if draft_s is not None:
-                self.draft_s += COST_EMA * (draft_s / k - self.draft_s)
-            self.acceptance += weight * (n_accepted / trials - self.acceptance)
-            return
-        est = self._estimate(source)
-        if draft_s is not None:
-            est.draft_s += COST_EMA * (draft_s / k - est.draft_s)
         est.acceptance += weight * (n_accepted / trials - est.acceptance)
 
 
