@@ -117,6 +117,16 @@ def test_bad_layerskip_requests(ckpt, tmp_path, tiny_bundle):
         Engine(tiny_bundle, drafter="layerskip")
 
 
+def test_quantizing_a_layerskip_bundle_is_refused(bundles, tmp_path):
+    """Its exit and tail graphs read the target's weight file by offset: replacing that file would break them."""
+    from specdec.quant.bundle import quantize_bundle
+
+    for precision in ("int4", "fp16"):
+        with pytest.raises(SpecdecError, match="layerskip bundle"):
+            quantize_bundle(bundles / "ls", tmp_path / precision, precision)
+        assert not (tmp_path / precision).exists()
+
+
 def test_adapter_learns_a_transform_of_the_residual_stream():
     from specdec.export.layerskip import _rms, _train_adapter
 

@@ -67,6 +67,9 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
         raise SpecdecError(f"--fast-kernels applies to {' and '.join(FAST_TARGET_PRESETS)} only, not {precision}")
     if g.precision != "fp32":
         raise SpecdecError(f"bundle {src} is already quantized ({g.precision})", "quantize an fp32 bundle")
+    if m.split_target:  # its exit and tail graphs point into the target's weight file, which this would replace
+        raise SpecdecError(f"bundle {src} is a layerskip bundle: its exit and tail graphs share the target's weights",
+                           "quantize the bundle without layerskip, or export layerskip with --precision fp16")
     if dst.exists() and not force:
         raise SpecdecError(f"output folder {dst} already exists", "pass --force to replace it")
     partial = dst.with_name(dst.name + ".partial")
