@@ -283,8 +283,7 @@ def train_draft_model(model_path: str | Path | None, out_dir: str | Path, cfg: D
     import torch
 
     from specdec.export.bundle import ExportConfig, export_bundle
-    from specdec.export.layerskip import _answers
-    from specdec.export.prompts import instruction_prompts
+    from specdec.export.prompts import instruction_prompts, target_answers
     from specdec.export.source import load_source
     from specdec.runtime.manifest import MANIFEST_NAME, sha256_file
 
@@ -300,14 +299,14 @@ def train_draft_model(model_path: str | Path | None, out_dir: str | Path, cfg: D
     # The student checkpoint is an intermediate: beside the output (same disk), removed whatever happens.
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.student-") as tmp:
         student_dir = Path(tmp) / "student"
-        # Saved before _answers, which sets left padding and a pad token on it for batched generation.
+        # Saved before target_answers, which sets left padding and a pad token on it for batched generation.
         source.tokenizer.save_pretrained(student_dir)
         torch.manual_seed(cfg.seed)
         student = build_student(target, layers, cfg.intermediate_size)
 
         step(f"draft model: the target answers {cfg.prompts} of specdec's prompts ({cfg.new_tokens} tokens each)")
         t0 = time.perf_counter()
-        seqs = _answers(target, source.tokenizer, instruction_prompts(cfg.prompts, seed=cfg.seed), cfg.new_tokens)
+        seqs = target_answers(target, source.tokenizer, instruction_prompts(cfg.prompts, seed=cfg.seed), cfg.new_tokens)
         generation_s = time.perf_counter() - t0
         seqs = [s for s in seqs if len(s[0]) > s[1]]  # an answer that ended at once has no position to learn from
         n_held = max(1, round(HELD_OUT_FRACTION * len(seqs)))

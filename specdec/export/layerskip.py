@@ -99,14 +99,14 @@ def calibrate(model, tokenizer, w: DecoderWeights, cfg: LayerSkipConfig,
     """Generate answers with the target, choose E and the draft vocabulary, train the adapter."""
     import torch
 
-    from specdec.export.prompts import instruction_prompts
+    from specdec.export.prompts import instruction_prompts, target_answers
 
     torch.manual_seed(cfg.seed)
     L = len(w.layers)
     cfg.check_against(L)
     t0 = time.perf_counter()
     step(f"layerskip: the target answers {cfg.prompts} calibration prompts")
-    seqs = _answers(model, tokenizer, instruction_prompts(cfg.prompts, seed=cfg.seed), cfg.new_tokens)
+    seqs = target_answers(model, tokenizer, instruction_prompts(cfg.prompts, seed=cfg.seed), cfg.new_tokens)
     t_gen = time.perf_counter() - t0
     step("layerskip: collecting hidden states")
     hidden, final, nxt = _hidden_states(model, seqs)  # [L+1, n, D] fp16, [n, D] fp32 (normed), [n]
@@ -192,31 +192,6 @@ def _rms(x, eps: float):
     import torch
 
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _answers(model, tokenizer, conversations: list, new_tokens: int, batch: int = 32) -> list[tuple[np.ndarray, int]]:
-    """Greedy answers: per conversation (prompt + answer ids, prompt length)."""
-    import torch
-
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    eos = {int(tokenizer.eos_token_id)}
-    out = []
-    for i in range(0, len(conversations), batch):
-        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                 for c in conversations[i:i + batch]]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            gen = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
-        width = enc["input_ids"].shape[1]
-        for row, mask in zip(gen, enc["attention_mask"]):
-            prompt = row[:width][mask.bool()].numpy()
-            answer = row[width:].numpy()
-            stop = next((j + 1 for j, t in enumerate(answer) if int(t) in eos), len(answer))
-            out.append((np.concatenate([prompt, answer[:stop]]).astype(np.int64), len(prompt)))
-    return out
 
 
 def _hidden_states(model, seqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -69,3 +69,29 @@ def instruction_prompts(n: int, seed: int = 0) -> list[list[dict]]:
         else:
             out.append([{"role": "user", "content": task}])
     return out
+
+
+def target_answers(model, tokenizer, conversations: list, new_tokens: int, batch: int = 32) -> list[tuple[np.ndarray, int]]:
+    """The target's greedy answers, batched with left padding: per conversation (prompt + answer ids up to and
+    including the first EOS, prompt length). Sets left padding (and a pad token if it has none) on `tokenizer`."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    eos = {int(tokenizer.eos_token_id)}
+    out = []
+    for i in range(0, len(conversations), batch):
+        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                 for c in conversations[i:i + batch]]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            gen = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        width = enc["input_ids"].shape[1]
+        for row, mask in zip(gen, enc["attention_mask"]):
+            prompt = row[:width][mask.bool()].numpy()
+            answer = row[width:].numpy()
+            stop = next((j + 1 for j, t in enumerate(answer) if int(t) in eos), len(answer))
+            out.append((np.concatenate([prompt, answer[:stop]]).astype(np.int64), len(prompt)))
+    return out
