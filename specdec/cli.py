@@ -189,6 +189,47 @@ def train_drafter(model, out_dir, kind, layers, intermediate_size, prompts, new_
     click.echo(f"use it: specdec export {model + ' ' if model else ''}-o DIR --drafter model:{out_dir}")
 
 
+@main.command("distill-data")
+@click.argument("model", required=False)
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Folder of shards.")
+@click.option("--prompts-file", type=click.Path(path_type=Path), default=None,
+              help="Extra prompts, JSONL with 'prompt' or 'messages' (answered before the built-in ones).")
+@click.option("--n", "n_prompts", default=8000, show_default=True, help="Built-in instruction prompts.")
+@click.option("--new-tokens", default=192, show_default=True, help="Answer tokens per prompt (at most).")
+@click.option("--batch", default=32, show_default=True, help="Prompts per generation batch (= per shard).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--questions", type=click.Path(path_type=Path), default=None,
+              help="Benchmark questions to keep out of the data (default: Spec-Bench's, if present).")
+@click.option("--force", is_flag=True, help="Start over in a folder made with other settings.")
+@friendly
+def distill_data(model, out_dir, prompts_file, n_prompts, new_tokens, batch, seed, questions, force):
+    """Record the target's answers and hidden states for training drafters; rerun the same command to resume."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from specdec.export.distill_data import (DistillDataConfig, benchmark_texts, load_prompt_file, plan_prompts,
+                                             write_distill_data)
+    from specdec.export.source import load_source
+
+    cfg = DistillDataConfig(n_prompts=n_prompts, new_tokens=new_tokens, batch=batch, seed=seed)
+    extra = load_prompt_file(prompts_file) if prompts_file else []
+    prompts = plan_prompts(cfg, extra, benchmark_texts(questions or DEFAULT_QUESTIONS))
+    source = load_source(model)
+    t0 = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[tok_s]:.0f} answer tok/s"), TextColumn("ETA"), TimeRemainingColumn(),
+                  console=Console(stderr=True), disable=not sys.stderr.isatty()) as progress:
+        task = progress.add_task("target answering", total=len(prompts), tok_s=0.0)
+
+        def report(done: int, total: int, tokens: int) -> None:
+            progress.update(task, completed=done, tok_s=tokens / max(time.perf_counter() - t0, 1e-9))
+
+        r = write_distill_data(source.model, source.tokenizer, out_dir, cfg, prompts, str(source.path), force=force,
+                               progress=report)
+    click.echo(f"{out_dir}: {r['shards']} shards for {r['prompts']} prompts; this run wrote "
+               f"{r['answer_tokens_this_run']} answer tokens in {r['seconds']:.0f} s")
+
+
 def _runtime_options(provider: str, threads: int, bundle: Path | None = None):
     from specdec.runtime.session import RuntimeOptions
 

@@ -1,0 +1,162 @@
+"""`specdec distill-data`: the target's own answers and hidden states, streamed to disk, for training drafters.
+
+The target answers prompts (specdec's built-in instructions, export/prompts.py, plus any file the user gives),
+greedily and in batches; each batch becomes one shard `shard-NNNNN.npz`:
+
+    tokens     [n]        int32  every sequence (prompt + answer) back to back
+    starts     [s + 1]    int64  sequence i is tokens[starts[i]:starts[i+1]]
+    prompt_len [s]        int64  how many of its tokens are prompt
+    hidden     [n, D]     fp16   the residual stream before the final norm at every position (what EAGLE-style
+                                 heads read), i.e. the input of the LM head up to the final norm
+
+Shards are written to a temporary name and renamed, and prompts are drawn in a fixed order from the seed, so
+shard k always holds the same prompts: a killed run restarted with the same command skips the shards it has and
+never duplicates or loses one. `distill.json` pins the settings; another target or settings are refused.
+Prompts that are Spec-Bench questions are dropped: drafters are measured on those, never trained on them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from specdec.errors import SpecdecError
+
+META_NAME = "distill.json"
+META_FORMAT = "specdec-distill-data"
+META_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DistillDataConfig:
+    n_prompts: int = 8000  # built-in instruction prompts; x ~130 answer tokens ~ 1M tokens for the default model
+    new_tokens: int = 192  # answer length cap: long enough for multi-paragraph answers, short enough to batch
+    batch: int = 32  # prompts per generation batch = per shard (bounded memory: one batch's states at a time)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("n_prompts", "new_tokens", "batch"):
+            if getattr(self, name) < 1:
+                raise SpecdecError(f"distill-data {name} must be >= 1, got {getattr(self, name)}")
+
+
+def _text_of(conversation: list[dict]) -> str:
+    return "\n".join(m.get("content", "") for m in conversation if m.get("role") == "user").strip()
+
+
+def load_prompt_file(path: Path) -> list[list[dict]]:
+    """JSONL lines with "prompt" (text) or "messages" (chat); a bad line is an error naming its line number."""
+    out = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise SpecdecError(f"cannot read prompts file {path}: {e.strerror or e}", "check the path") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise SpecdecError(f"{path} line {i} is not valid JSON", "one JSON object per line") from None
+        if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+            out.append([{"role": "user", "content": rec["prompt"]}])
+        elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+            out.append(rec["messages"])
+        else:
+            raise SpecdecError(f"{path} line {i} has neither a 'prompt' string nor a 'messages' list")
+    return out
+
+
+def benchmark_texts(path: Path | None) -> set[str]:
+    """The user turns of every Spec-Bench question (empty if the file is not there)."""
+    if path is None or not Path(path).is_file():
+        return set()
+    from specdec.spec_bench import load_spec_bench
+
+    return {_text_of(p.messages) for p in load_spec_bench(path)}
+
+
+def plan_prompts(cfg: DistillDataConfig, extra: list[list[dict]], exclude: set[str]) -> list[list[dict]]:
+    """The run's prompts in their fixed order: the user's first, then the built-in ones; benchmark ones dropped."""
+    from specdec.export.prompts import instruction_prompts
+
+    prompts = list(extra) + instruction_prompts(cfg.n_prompts, seed=cfg.seed)
+    return [p for p in prompts if _text_of(p) not in exclude]
+
+
+def _digest(prompts: list[list[dict]]) -> str:
+    return hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()
+
+
+def _shards(prompts: list, batch: int) -> Iterator[tuple[int, list]]:
+    for k, start in enumerate(range(0, len(prompts), batch)):
+        yield k, prompts[start:start + batch]
+
+
+def pre_norm_states(model, ids: np.ndarray) -> np.ndarray:
+    """The residual stream entering the final norm at every position of ids [T]: [T, D] float32. (transformers'
+    last `hidden_states` entry is after the norm, so the norm's input is taken with a hook.)"""
+    import torch
+
+    captured = []
+    hook = model.model.norm.register_forward_hook(lambda module, inputs, output: captured.append(inputs[0]))
+    try:
+        with torch.no_grad():
+            model(torch.from_numpy(ids)[None])
+    finally:
+        hook.remove()
+    return captured[0][0].float().numpy()
+
+
+def shard_path(out: Path, k: int) -> Path:
+    return out / f"shard-{k:05d}.npz"
+
+
+def write_distill_data(model, tokenizer, out: Path, cfg: DistillDataConfig, prompts: list[list[dict]],
+                       source: str, force: bool = False,
+                       progress: Callable[[int, int, int], object] | None = None) -> dict:
+    """Generate the shards that `out` lacks. `progress(done_prompts, total_prompts, tokens_this_run)` after each."""
+    from specdec.export.prompts import target_answers
+
+    out = Path(out)
+    meta = {"format": META_FORMAT, "version": META_VERSION, "source": source, "config": asdict(cfg),
+            "prompts": len(prompts), "prompts_sha256": _digest(prompts)}
+    meta_file = out / META_NAME
+    if meta_file.is_file():
+        old = json.loads(meta_file.read_text())
+        if old != meta and not force:
+            raise SpecdecError(f"{out} holds distillation data made with another target, prompts or settings",
+                               "use another folder, the same command as before, or --force to start over")
+        if old != meta:
+            for f in out.glob("shard-*.npz"):
+                f.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    meta_file.write_text(json.dumps(meta, indent=1) + "\n")
+    for stale in out.glob("*.tmp.npz"):  # a run killed mid-write
+        stale.unlink()
+    done = tokens = 0
+    t0 = time.perf_counter()
+    for k, batch in _shards(prompts, cfg.batch):
+        path = shard_path(out, k)
+        if not path.is_file():
+            seqs = target_answers(model, tokenizer, batch, cfg.new_tokens, batch=len(batch))
+            starts = np.cumsum([0] + [len(s) for s, _ in seqs]).astype(np.int64)  # [s+1]
+            hidden = np.empty((int(starts[-1]), model.config.hidden_size), dtype=np.float16)  # [n, D]
+            for (ids, _), a in zip(seqs, starts[:-1]):
+                hidden[a:a + len(ids)] = pre_norm_states(model, ids).astype(np.float16)
+            tmp = path.with_name(path.stem + ".tmp.npz")
+            np.savez(tmp, tokens=np.concatenate([s for s, _ in seqs]).astype(np.int32), starts=starts,
+                     prompt_len=np.asarray([p for _, p in seqs], dtype=np.int64), hidden=hidden)
+            os.replace(tmp, path)  # whole shards only
+            tokens += int(starts[-1]) - sum(p for _, p in seqs)
+        done += len(batch)
+        if progress is not None:
+            progress(done, len(prompts), tokens)
+    return {"prompts": len(prompts), "shards": len(list(out.glob("shard-*.npz"))), "answer_tokens_this_run": tokens,
+            "seconds": round(time.perf_counter() - t0, 1)}

@@ -1,0 +1,106 @@
+"""`specdec distill-data` on a tiny model: shards, resume after a kill, refusals, benchmark prompts kept out."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from specdec.errors import SpecdecError  # noqa: E402
+from specdec.export.distill_data import (DistillDataConfig, load_prompt_file, plan_prompts,  # noqa: E402
+                                        pre_norm_states, shard_path, write_distill_data)
+
+CFG = DistillDataConfig(n_prompts=7, new_tokens=6, batch=3, seed=1)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoint):
+    from specdec.export.source import load_source
+
+    return load_source(tiny_checkpoint)
+
+
+def _read(out):
+    return [dict(np.load(p)) for p in sorted(out.glob("shard-*.npz"))]
+
+
+def test_shards_hold_tokens_and_pre_norm_states(target, tmp_path):
+    prompts = plan_prompts(CFG, [], set())
+    r = write_distill_data(target.model, target.tokenizer, tmp_path, CFG, prompts, "tiny")
+    assert r["shards"] == 3 and r["prompts"] == 7
+    shards = _read(tmp_path)
+    assert [len(s["prompt_len"]) for s in shards] == [3, 3, 1]
+    s = shards[0]
+    assert s["starts"][-1] == len(s["tokens"]) == len(s["hidden"])
+    ids = s["tokens"][s["starts"][0]:s["starts"][1]].astype(np.int64)
+    assert s["prompt_len"][0] < len(ids)  # an answer follows the prompt
+    np.testing.assert_allclose(s["hidden"][:len(ids)].astype(np.float32), pre_norm_states(target.model, ids),
+                               rtol=2e-3, atol=2e-3)
+    # The final norm + head applied to the stored state predict the greedy answer's next tokens.
+    logits = target.model.lm_head(target.model.model.norm(torch.from_numpy(pre_norm_states(target.model, ids))))
+    p = int(s["prompt_len"][0])
+    assert (logits.argmax(-1).numpy()[p - 1:-1] == ids[p:]).all()
+
+
+def test_a_killed_run_resumes_without_loss_or_duplicates(target, tmp_path):
+    prompts = plan_prompts(CFG, [], set())
+    full = tmp_path / "full"
+    write_distill_data(target.model, target.tokenizer, full, CFG, prompts, "tiny")
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_first(done, total, tokens):
+        if done >= CFG.batch:
+            raise Killed
+
+    part = tmp_path / "part"
+    with pytest.raises(Killed):
+        write_distill_data(target.model, target.tokenizer, part, CFG, prompts, "tiny", progress=kill_after_first)
+    (part / "shard-00001.tmp.npz").write_bytes(b"half a shard")  # a write cut short
+    first = shard_path(part, 0).read_bytes()
+    r = write_distill_data(target.model, target.tokenizer, part, CFG, prompts, "tiny")
+    assert shard_path(part, 0).read_bytes() == first  # kept, not redone
+    assert not list(part.glob("*.tmp.npz"))
+    assert r["shards"] == 3
+    for a, b in zip(_read(full), _read(part)):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_other_settings_are_refused_unless_forced(target, tmp_path):
+    prompts = plan_prompts(CFG, [], set())
+    write_distill_data(target.model, target.tokenizer, tmp_path, CFG, prompts, "tiny")
+    other = DistillDataConfig(n_prompts=7, new_tokens=5, batch=3, seed=1)
+    with pytest.raises(SpecdecError, match="another target, prompts or settings"):
+        write_distill_data(target.model, target.tokenizer, tmp_path, other, prompts, "tiny")
+    write_distill_data(target.model, target.tokenizer, tmp_path, other, prompts, "tiny", force=True)
+    assert json.loads((tmp_path / "distill.json").read_text())["config"]["new_tokens"] == 5
+
+
+def test_benchmark_prompts_are_kept_out_and_bad_files_named(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "What is 2+2?"}\n{"messages": [{"role": "user", "content": "Say hi."}]}\n')
+    extra = load_prompt_file(f)
+    prompts = plan_prompts(CFG, extra, {"What is 2+2?"})
+    assert [{"role": "user", "content": "Say hi."}] == prompts[0] and len(prompts) == 1 + CFG.n_prompts
+    f.write_text('{"prompt": "ok"}\nnot json\n')
+    with pytest.raises(SpecdecError, match="line 2 is not valid JSON"):
+        load_prompt_file(f)
+    with pytest.raises(SpecdecError, match="must be >= 1"):
+        DistillDataConfig(batch=0)
+
+
+def test_cli_runs_and_resumes(tiny_checkpoint, tmp_path):
+    from click.testing import CliRunner
+
+    from specdec.cli import main
+
+    args = ["distill-data", str(tiny_checkpoint), "-o", str(tmp_path / "d"), "--n", "4", "--new-tokens", "4",
+            "--batch", "2"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert "2 shards for 4 prompts" in r.output
+    r = CliRunner().invoke(main, args)  # everything there: nothing to do
+    assert r.exit_code == 0 and "wrote 0 answer tokens" in r.output
