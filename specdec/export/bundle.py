@@ -5,11 +5,12 @@ export never leaves a half-written bundle where a good one (or nothing) was.
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -51,6 +52,31 @@ class ExportConfig:
             raise SpecdecError("--max-len and --draft-len must be > 0")
 
 
+@contextlib.contextmanager
+def staged_folder(out_dir: Path, suffix: str = ".partial", create: bool = True) -> Iterator[Path]:
+    """Yield a side folder `<out_dir><suffix>` to write into; rename it to `out_dir` when the block succeeds, remove
+    it when it fails or is interrupted: `out_dir` only ever holds a whole bundle (or what it held before).
+    `create=False` leaves making the folder to the block (e.g. an export_bundle into it)."""
+    partial = out_dir.with_name(out_dir.name + suffix)
+    shutil.rmtree(partial, ignore_errors=True)
+    if create:
+        partial.mkdir(parents=True)
+    try:
+        yield partial
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        partial.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def bundle_files(folder: Path) -> dict[str, str]:
+    """Every file of a bundle folder but its manifest, with its SHA-256: the manifest's `files`."""
+    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.relative_to(folder).as_posix() != MANIFEST_NAME}
+
+
 def _graph_spec(file: str, cfg: ModelConfig, precision: str, n_layers: int, hidden: tuple[int, ...] = (),
                 quant: dict | None = None) -> GraphSpec:
     return GraphSpec(file=file, model=cfg, precision=precision, n_layers=n_layers,
@@ -84,10 +110,7 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         _check_same_vocab(draft_bundle, draft_manifest, vocab_digest(source.tokenizer.backend_tokenizer))
     weights = weights_from_torch(source.model)
 
-    partial = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
+    with staged_folder(out_dir) as partial:
         graphs: dict[str, GraphSpec] = {}
         L = model_cfg.n_layers
 
@@ -153,16 +176,9 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.draft_len)
 
         step("writing manifest")
-        files = {p.relative_to(partial).as_posix(): sha256_file(p) for p in sorted(partial.rglob("*")) if p.is_file()}
-        manifest = Manifest(tokenizer=tok_spec, graphs=graphs, drafter=drafter, files=files,
+        manifest = Manifest(tokenizer=tok_spec, graphs=graphs, drafter=drafter, files=bundle_files(partial),
                             default_max_len=cfg.max_len, source=str(source.path), created_by=f"specdec {specdec.__version__}")
         (partial / MANIFEST_NAME).write_text(manifest.to_json())
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        partial.rename(out_dir)
-    except BaseException:  # failed or interrupted: leave no half-written bundle behind
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return manifest
 
 

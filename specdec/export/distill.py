@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -282,10 +281,10 @@ def train_draft_model(model_path: str | Path | None, out_dir: str | Path, cfg: D
 
     import torch
 
-    from specdec.export.bundle import ExportConfig, export_bundle
+    from specdec.export.bundle import ExportConfig, bundle_files, export_bundle, staged_folder
     from specdec.export.prompts import instruction_prompts, target_answers
     from specdec.export.source import load_source
-    from specdec.runtime.manifest import MANIFEST_NAME, sha256_file
+    from specdec.runtime.manifest import MANIFEST_NAME
 
     step("loading target")
     source = load_source(model_path)
@@ -343,21 +342,12 @@ def train_draft_model(model_path: str | Path | None, out_dir: str | Path, cfg: D
 
         # Exported next to the output, completed there with the report, then renamed into place: out_dir only
         # ever holds a whole bundle (export_bundle's own .partial protects the graph-writing part).
-        staging = out_dir.with_name(out_dir.name + ".staging")
-        shutil.rmtree(staging, ignore_errors=True)
-        try:
+        with staged_folder(out_dir, ".staging", create=False) as staging:
             manifest = export_bundle(student_dir, staging, ExportConfig(drafter="none", max_len=max_len),
                                      step=lambda desc: step(f"exporting the draft model: {desc}"))
             (staging / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
             # Listed with its checksum like every bundle file (read_manifest verifies it; quantize copies it);
             # the source is the target the student was distilled from, not the deleted student checkpoint.
-            manifest = replace(manifest, files={**manifest.files, REPORT_NAME: sha256_file(staging / REPORT_NAME)},
-                               source=str(source.path))
+            manifest = replace(manifest, files=bundle_files(staging), source=str(source.path))
             (staging / MANIFEST_NAME).write_text(manifest.to_json())
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            staging.rename(out_dir)
-        except BaseException:  # failed or interrupted: leave no half-written bundle behind
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
     return report

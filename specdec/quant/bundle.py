@@ -10,10 +10,11 @@ import onnx
 from onnx import numpy_helper
 
 from specdec.errors import SpecdecError
+from specdec.export.bundle import bundle_files, staged_folder
 from specdec.export.graph import save_graph
 from specdec.export.verify import check_against_graph
 from specdec.quant.weight_only import FAST_TARGET_PRESETS, TARGET_PRESETS, quantize_weights
-from specdec.runtime.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from specdec.runtime.manifest import MANIFEST_NAME, read_manifest
 
 
 def untie_embedding(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -72,10 +73,7 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
                            "quantize the bundle without layerskip, or export layerskip with --precision fp16")
     if dst.exists() and not force:
         raise SpecdecError(f"output folder {dst} already exists", "pass --force to replace it")
-    partial = dst.with_name(dst.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        partial.mkdir(parents=True)
+    with staged_folder(dst) as partial:
         for rel in m.files:  # everything but the target graph is reused as is
             if rel == g.file or rel.startswith(g.file + "."):
                 continue
@@ -99,14 +97,6 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
                 model = untie_embedding(model)
             save_graph(quantize_weights(model, cfg), partial / g.file)
             target = replace(g, precision=precision, quant=cfg.to_dict(), checks={})
-        files = {p.relative_to(partial).as_posix(): sha256_file(p) for p in sorted(partial.rglob("*")) if p.is_file()}
-        graphs = {**m.graphs, "target": target}
-        manifest = replace(m, graphs=graphs, files=files)
+        manifest = replace(m, graphs={**m.graphs, "target": target}, files=bundle_files(partial))
         (partial / MANIFEST_NAME).write_text(manifest.to_json())
-        if dst.exists():
-            shutil.rmtree(dst)
-        partial.rename(dst)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return dst
