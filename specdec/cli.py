@@ -74,7 +74,7 @@ def main() -> None:
 @click.argument("model", required=False)
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Bundle folder to write.")
 @click.option("--drafter", default="ngram", show_default=True,
-              help="none | ngram | self-int8 | self-int4 | layerskip | model:PATH (another specdec bundle).")
+              help="none | ngram | self-int8 | self-int4 | layerskip | eagle | model:PATH (another specdec bundle).")
 @click.option("--precision", default="fp32", show_default=True,
               help="Target precision: fp32 | fp16 (for GPUs) | int8 | int4.")
 @click.option("--max-len", default=2048, show_default=True, help="Default KV buffer length (tokens).")
@@ -86,8 +86,10 @@ def main() -> None:
               help="layerskip: train a low-rank exit adapter (kept only if it raises held-out agreement).")
 @click.option("--calib-prompts", default=160, show_default=True,
               help="layerskip: prompts the target answers for the calibration and the adapter.")
+@click.option("--heads", type=click.Path(path_type=Path), default=None,
+              help="eagle: a heads file from `specdec train-drafter --kind eagle` (default: the one shipped for this target).")
 @friendly
-def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_layer, exit_adapter, calib_prompts):
+def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_layer, exit_adapter, calib_prompts, heads):
     """Export MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct) into a bundle."""
     from specdec.export.bundle import ExportConfig, export_bundle
     from specdec.export.layerskip import LayerSkipConfig
@@ -97,7 +99,7 @@ def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_l
     layerskip = LayerSkipConfig(exit_layer=None if exit_layer == "auto" else int(exit_layer), adapter=exit_adapter,
                                 prompts=calib_prompts)
     cfg = ExportConfig(drafter=drafter, precision=precision, max_len=max_len, draft_len=draft_len, force=force,
-                       layerskip=layerskip)
+                       layerskip=layerskip, eagle_heads=heads)
     t0 = time.perf_counter()
     with _stage_progress() as step:
         manifest = export_bundle(model, out_dir, cfg, step=step)
@@ -157,25 +159,34 @@ def _print_layerskip_calibration(spec) -> None:
 
 @main.command("train-drafter")
 @click.argument("model", required=False)
-@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True,
-              help="Draft bundle folder to write.")
-@click.option("--kind", type=click.Choice(["draft-model"]), required=True,
-              help="draft-model: a few of the target's layers, trained on its own answers (KL to its distribution).")
-@click.option("--layers", default=4, show_default=True, help="Layers of the draft model (copied from the target's).")
+@click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), required=True,
+              help="draft-model: the draft bundle folder to write; eagle: the heads file (.npz) to write.")
+@click.option("--kind", type=click.Choice(["draft-model", "eagle"]), required=True,
+              help="draft-model: a few of the target's layers, trained on its own answers (KL to its distribution); "
+                   "eagle: a one-layer head over the target's hidden states, trained on `specdec distill-data` output.")
+@click.option("--data", type=click.Path(path_type=Path), default=None, help="eagle: the distill-data folder.")
+@click.option("--layers", default=4, show_default=True, help="draft-model: layers (copied from the target's).")
 @click.option("--intermediate-size", type=int, default=None,
-              help="MLP width of the draft model (default: the target's).")
-@click.option("--prompts", default=400, show_default=True, help="Prompts (specdec's own) the target answers.")
-@click.option("--new-tokens", default=128, show_default=True, help="Answer tokens per prompt.")
+              help="draft-model: MLP width (default: the target's).")
+@click.option("--prompts", default=400, show_default=True, help="draft-model: prompts (specdec's own) the target answers.")
+@click.option("--new-tokens", default=128, show_default=True, help="draft-model: answer tokens per prompt.")
 @click.option("--epochs", default=2, show_default=True, help="Passes over the answers.")
-@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@click.option("--unroll", default=3, show_default=True, help="eagle: drafting steps trained per position.")
+@click.option("--max-tokens", type=int, default=None, help="eagle: use at most this many tokens of the data.")
+@click.option("--force", is_flag=True, help="draft-model: replace an existing output folder.")
 @friendly
-def train_drafter(model, out_dir, kind, layers, intermediate_size, prompts, new_tokens, epochs, force):
-    """Train a drafter for MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct) into a bundle."""
+def train_drafter(model, out_path, kind, data, layers, intermediate_size, prompts, new_tokens, epochs, unroll,
+                  max_tokens, force):
+    """Train a drafter for MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct)."""
+    t0 = time.perf_counter()
+    if kind == "eagle":
+        _train_eagle(model, out_path, data, epochs, unroll, max_tokens)
+        return
     from specdec.export.distill import REPORT_NAME, DistillConfig, train_draft_model
 
+    out_dir = out_path
     cfg = DistillConfig(n_layers=layers, intermediate_size=intermediate_size, prompts=prompts, new_tokens=new_tokens,
                         epochs=epochs, force=force)
-    t0 = time.perf_counter()
     with _stage_progress() as step:
         r = train_draft_model(model, out_dir, cfg, step=step)
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
@@ -187,6 +198,37 @@ def train_drafter(model, out_dir, kind, layers, intermediate_size, prompts, new_
                f"(first -> last epoch); held-out top-1 agreement {r['held_out_agreement_before']:.3f} -> "
                f"{r['held_out_agreement_after']:.3f}; report in {out_dir / REPORT_NAME}")
     click.echo(f"use it: specdec export {model + ' ' if model else ''}-o DIR --drafter model:{out_dir}")
+
+
+def _train_eagle(model, out_path: Path, data: Path | None, epochs: int, unroll: int, max_tokens: int | None) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from specdec.export.eagle import EagleConfig, train_eagle
+
+    if data is None:
+        raise SpecdecError("--kind eagle needs --data DIR", "make it with `specdec distill-data -o DIR`")
+    cfg = EagleConfig(epochs=epochs, unroll=unroll, max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+                  TimeRemainingColumn(), disable=not sys.stderr.isatty()) as progress:
+        task = progress.add_task("eagle head", total=None, loss="-")
+
+        def step(desc: str) -> None:
+            progress.update(task, description=desc)
+            if not sys.stderr.isatty():
+                click.echo(f"- {desc}", err=True)
+
+        def on_step(done: int, total: int, loss: float) -> None:
+            progress.update(task, completed=done, total=total, loss=f"{loss:.3f}")
+
+        r = train_eagle(model, data, out_path, cfg, step=step, progress=on_step)
+    b, a = r["held_out_before"], r["held_out_after"]
+    click.echo(f"wrote {out_path} ({out_path.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.0f} s: "
+               f"{r['train_tokens']} training tokens, {r['steps']} steps ({r['training_s']:.0f} s), loss "
+               f"{r['first_loss']} -> {r['last_loss']}")
+    click.echo(f"held-out agreement by draft step {b['agreement_by_step']} -> {a['agreement_by_step']}; draft vocabulary "
+               f"covers {a['coverage']:.1%}; expected tokens per verification at k=4: {a['expected_tau_k4']}")
+    click.echo(f"use it: specdec export {model + ' ' if model else ''}-o DIR --drafter eagle --heads {out_path}")
 
 
 @main.command("distill-data")
@@ -270,8 +312,9 @@ def generation_options(fn):
         click.option("--seed", type=int, default=None, help="Seed for sampling."),
         click.option("--draft-len", callback=_parse_draft_len, default=None,
                      help="Drafted tokens per round: K, 'auto', or 0 for plain decoding (default: the bundle's)."),
-        click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid", "layerskip"]), default=None,
-                     help="Override the bundle's drafter (hybrid = n-gram lookup where it matches, the draft model elsewhere)."),
+        click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid", "layerskip", "eagle"]), default=None,
+                     help="Override the bundle's drafter (hybrid = n-gram lookup where it matches, the draft model "
+                          "or EAGLE head elsewhere)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--max-len", type=int, default=None, help="KV buffer length in tokens (default: the bundle's)."),
         click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default=None,
@@ -513,11 +556,13 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, th
     runtime, max_len, _ = _device_setup(device, bundle, None, max_len, threads, drafter="model")
     engine = specdec.load(bundle, max_len=max_len, runtime=runtime)
     wanted = [BenchConfig.parse(c.strip()) for c in configs.split(",") if c.strip()]
-    if engine.manifest.drafter.graph is None:
-        skipped = [c.name for c in wanted if c.drafter in ("model", "hybrid")]
-        wanted = [c for c in wanted if c.drafter not in ("model", "hybrid")]
-        if skipped:
-            click.echo(f"note: bundle has no draft model; skipping {', '.join(skipped)}", err=True)
+    kind = engine.manifest.drafter.kind
+    unusable = {"model": kind != "model", "hybrid": kind not in ("model", "eagle"), "eagle": kind != "eagle",
+                "layerskip": kind != "layerskip"}
+    skipped = [c.name for c in wanted if unusable.get(c.drafter, False)]
+    wanted = [c for c in wanted if not unusable.get(c.drafter, False)]
+    if skipped:
+        click.echo(f"note: bundle's drafter is {kind}; skipping {', '.join(skipped)}", err=True)
     with Progress(disable=not sys.stderr.isatty()) as progress:
         task = progress.add_task("benchmarking", total=len(prompts) * (len(wanted) + 1))
         result = run_bench(engine, prompts, wanted, max_new_tokens, on_step=lambda: progress.advance(task))

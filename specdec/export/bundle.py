@@ -25,7 +25,7 @@ from specdec.runtime.manifest import (MANIFEST_NAME, DrafterSpec, GraphSpec, Man
                                       read_manifest, sha256_file)
 from specdec.runtime.tokenizer import vocab_digest
 
-DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "layerskip", "model:PATH")
+DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "layerskip", "eagle", "model:PATH")
 # fp16 is for GPUs (a CPU runs the fp32 graph faster); int8/int4 are weight-only with fp32 activations.
 EXPORT_PRECISIONS = ("fp32", "fp16", *TARGET_PRESETS)
 
@@ -39,13 +39,16 @@ class ExportConfig:
     max_ngram: int = 3
     force: bool = False
     layerskip: LayerSkipConfig = field(default_factory=LayerSkipConfig)  # for drafter "layerskip"
+    eagle_heads: Path | None = None  # for drafter "eagle": a heads file (None: the ones shipped for this target)
 
     def __post_init__(self) -> None:
         if self.precision not in EXPORT_PRECISIONS:
             raise SpecdecError(f"unknown precision {self.precision!r}", f"choose one of {', '.join(EXPORT_PRECISIONS)}")
-        if self.drafter == "layerskip" and self.precision not in ("fp32", "fp16"):
-            raise SpecdecError(f"--drafter layerskip with --precision {self.precision} is not supported yet: the exit "
-                               "and tail graphs share the target's fp32/fp16 weights", "use --precision fp32 or fp16")
+        if self.eagle_heads is not None and self.drafter != "eagle":
+            raise SpecdecError("--heads is for --drafter eagle")
+        if self.drafter in ("layerskip", "eagle") and self.precision not in ("fp32", "fp16"):
+            raise SpecdecError(f"--drafter {self.drafter} with --precision {self.precision} is not supported yet: its "
+                               "graphs share the target's fp32/fp16 weights", "use --precision fp32 or fp16")
         if not (self.drafter in DRAFTERS[:-1] or self.drafter.startswith("model:")):
             raise SpecdecError(f"unknown drafter {self.drafter!r}", f"choose one of {', '.join(DRAFTERS)}")
         if self.max_len <= 0 or self.draft_len <= 0:
@@ -109,16 +112,28 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
     if draft_manifest is not None:  # before any graph is written
         _check_same_vocab(draft_bundle, draft_manifest, vocab_digest(source.tokenizer.backend_tokenizer))
     weights = weights_from_torch(source.model)
+    L = model_cfg.n_layers
+    heads = None
+    if cfg.drafter == "eagle":  # before any graph is written: a head for another target is one clear error
+        from specdec.export.eagle import load_heads, shipped_heads, target_fingerprint
+
+        fingerprint = target_fingerprint(weights)
+        path = cfg.eagle_heads or shipped_heads(fingerprint)
+        if path is None:
+            raise SpecdecError("specdec ships no EAGLE head for this target",
+                               "train one: `specdec distill-data -o DATA` then `specdec train-drafter --kind eagle "
+                               "--data DATA -o heads.npz`, and export with --heads heads.npz")
+        heads = load_heads(path, model_cfg, fingerprint)
+    taps = (L,) if heads is not None else ()  # the residual stream an EAGLE head reads
 
     with staged_folder(out_dir) as partial:
         graphs: dict[str, GraphSpec] = {}
-        L = model_cfg.n_layers
 
         step(f"writing target graph ({cfg.precision})")
         if cfg.precision in ("fp32", "fp16"):
             dtype = np.float16 if cfg.precision == "fp16" else np.float32
-            save_graph(build_decoder_graph(model_cfg, weights, dtype=dtype), partial / "target.onnx")
-            graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L)
+            save_graph(build_decoder_graph(model_cfg, weights, hidden_layers=taps, dtype=dtype), partial / "target.onnx")
+            graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, hidden=taps)
         else:
             qcfg = TARGET_PRESETS[cfg.precision]
             head_weights = weights.with_own_lm_head() if qcfg.quantizes_head else weights
@@ -170,6 +185,13 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
                                    "please report this model")
             graphs["tail"] = replace(graphs["tail"], checks={"max_abs_logit_diff_vs_target_graph": diff})
             drafter = DrafterSpec(kind="layerskip", draft_len=cfg.draft_len, **fields_)
+        elif heads is not None:
+            from specdec.export.eagle import write_eagle
+
+            step(f"writing EAGLE head graph ({len(heads.vocab)}-token draft vocabulary)")
+            graphs["eagle"], fields_ = write_eagle(partial, model_cfg, weights, heads,
+                                                   dtype=np.float16 if cfg.precision == "fp16" else np.float32)
+            drafter = DrafterSpec(kind="eagle", graph="eagle", draft_len=cfg.draft_len, **fields_)
         elif draft_bundle is not None:
             step(f"copying draft model from {draft_bundle}")
             graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specdec.runtime.manifest import ModelConfig
+from specdec.runtime.manifest import ATTENTION_BIAS, FEATURES, ModelConfig
 
 OPSET = 17
 MS = "com.microsoft"
@@ -125,6 +125,16 @@ def kv_output_names(n_layers: int, first_layer: int = 0) -> list[str]:
     return [f"present.{i}.{kv}" for i in range(first_layer, n_layers) for kv in ("key", "value")]
 
 
+@dataclass
+class FeatureEntry:
+    """An EAGLE-style entry: the layer stack's input is fc(concat(rms_norm(features) * norm, embed(ids))) + fc_bias,
+    where `features` [B,T,D] is a residual stream (the target's, or the head's own previous output)."""
+
+    norm: np.ndarray  # [D]
+    fc: np.ndarray  # [2D, D]
+    fc_bias: np.ndarray  # [D]
+
+
 CONTROL_INPUTS = ("input_ids", "position_ids", "seqlens_k", "total_sequence_length", "query_lens")
 HIDDEN_IN = "hidden_in"  # a slice graph's entry (first_layer > 0): the residual stream, in place of input_ids
 
@@ -159,13 +169,18 @@ class _Builder:
 
 def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tuple[int, ...] = (),
                         n_layers: int | None = None, dtype=np.float32, first_layer: int = 0,
-                        logits: bool = True) -> onnx.ModelProto:
+                        logits: bool = True, features: FeatureEntry | None = None,
+                        head_vocab: np.ndarray | None = None, tree: bool = False) -> onnx.ModelProto:
     """Write the decoder as ONNX: layers [first_layer, n_layers), then (if `logits`) final norm and LM head.
 
     `n_layers` < cfg.n_layers keeps only the first layers (early exit); `first_layer` > 0 starts from the
     residual stream (`hidden_in`) instead of token ids. Without `logits` the graph ends at the residual
     stream after its last layer, output as the tap `hidden.{n_layers}` (which is then always present).
     `dtype` (np.float32 or np.float16) is the float type of every weight, activation, KV buffer and output.
+    `features` makes an EAGLE head's graph: a second input `features` enters the layer stack with the token
+    embeddings (FeatureEntry). `head_vocab` [N] keeps only those rows of the LM head: logits [B,T,N] (cfg.vocab_size
+    must then be N; the embedding still covers the whole vocabulary). `tree` adds the input `attention_bias`
+    [B,1,T,P+T], added to every layer's attention scores (0 = may attend, -inf = may not): token-tree verification.
     """
     if np.dtype(dtype) not in [np.dtype(t) for t in GRAPH_DTYPES.values()]:
         raise ValueError(f"graph dtype must be float32 or float16, got {np.dtype(dtype)}")
@@ -200,7 +215,18 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         x = b.op("Transpose", [cols], name="embed.transpose", perm=[1, 2, 0])[0]  # [B,T,D]
     else:
         x = b.op("Gather", [b.init("embed.weight", w.embed), "input_ids"], name="embed")[0]  # [B,T,D]
-    if logits and head is None:
+    if features is not None:
+        if first_layer:
+            raise ValueError("a graph with a features entry starts at layer 0")
+        f = b.op("SimplifiedLayerNormalization", [FEATURES, b.init("features.norm", features.norm)],
+                 name="features.norm", axis=-1, epsilon=eps)[0]  # [B,T,D]
+        cat = b.op("Concat", [f, x], name="features.concat", axis=-1)[0]  # [B,T,2D]
+        x = b.op("Add", [b.op("MatMul", [cat, b.init("features.fc.weight", features.fc)], name="features.fc")[0],
+                         b.init("features.fc.bias", features.fc_bias)], name="features.fc_bias")[0]  # [B,T,D]
+    if logits and head_vocab is not None:
+        full = w.embed.T if w.lm_head is None else w.lm_head  # [D, V]
+        head = b.init("draft_head.weight", np.ascontiguousarray(full[:, np.asarray(head_vocab)]))  # [D, N]
+    elif logits and head is None:
         head = b.init("lm_head.weight", np.ascontiguousarray(w.embed.T) if w.lm_head is None else w.lm_head)
     taps: dict[int, str] = {first_layer: x}
     residual = None
@@ -221,7 +247,7 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         # Packed QKV: key/value inputs left empty. The KV buffers are shared past/present.
         attn = b.op("GroupQueryAttention",
                     [qkv, "", "", f"past.{i}.key", f"past.{i}.value", "seqlens_k", "total_sequence_length",
-                     cos, sin, "position_ids", "", "", "", "", "", "", "query_lens"],
+                     cos, sin, "position_ids", ATTENTION_BIAS if tree else "", "", "", "", "", "", "query_lens"],
                     outputs=[f"layers.{i}.attn", f"present.{i}.key", f"present.{i}.value"],
                     domain=MS, name=f"layers.{i}.gqa", num_heads=N, kv_num_heads=KV, do_rotary=1,
                     rotary_interleaved=0, scale=float(H ** -0.5))[0]  # [B,T,N*H]
@@ -253,6 +279,8 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])
     inputs = [
         entry,
+        *([helper.make_tensor_value_info(FEATURES, float_type, ["batch", "seq", D])] if features is not None else []),
+        *([helper.make_tensor_value_info(ATTENTION_BIAS, float_type, ["batch", 1, "seq", "total"])] if tree else []),
         helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),

@@ -71,6 +71,9 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
     if m.split_target:  # its exit and tail graphs point into the target's weight file, which this would replace
         raise SpecdecError(f"bundle {src} is a layerskip bundle: its exit and tail graphs share the target's weights",
                            "quantize the bundle without layerskip, or export layerskip with --precision fp16")
+    if m.drafter.kind == "eagle":  # its head's graph reads the embedding from the target's weight file
+        raise SpecdecError(f"bundle {src} has an EAGLE head, whose graph shares the target's weights",
+                           "quantize a bundle exported without --drafter eagle")
     if dst.exists() and not force:
         raise SpecdecError(f"output folder {dst} already exists", "pass --force to replace it")
     with staged_folder(dst) as partial:

@@ -84,6 +84,60 @@ def speculative_accept(
     return n_accepted, sample(residual(p_target[n_accepted], p_draft_row), rng)
 
 
+def tree_greedy_accept(draft_tokens: np.ndarray, parents: np.ndarray, target_logits: np.ndarray) -> tuple[list[int], int]:
+    """Greedy acceptance over a token tree: from the root, step to the child holding the target's argmax while
+    there is one; emit the argmax after the last accepted node.
+
+    Node i holds draft_tokens[i] and hangs under node parents[i] (-1: the root, the round's first input);
+    parents come before children. Row 0 of target_logits is the root's, row i+1 node i's. A chain is the
+    tree with parents [-1, 0, 1, ...], for which this is greedy_accept. Returns (the accepted nodes along the
+    path, next_token).
+    """
+    draft_tokens = np.asarray(draft_tokens)  # [n]
+    parents = np.asarray(parents)  # [n]
+    n = draft_tokens.shape[0]
+    _check_rows(np.asarray(target_logits), n)
+    check_tree(parents)
+    target_choice = np.argmax(target_logits, axis=-1)  # [n+1]
+    path: list[int] = []
+    row = 0
+    while True:
+        children = np.flatnonzero((parents == row - 1) & (draft_tokens == target_choice[row]))
+        if children.size == 0:
+            return path, int(target_choice[row])
+        path.append(int(children[0]))
+        row = path[-1] + 1
+
+
+def check_tree(parents: np.ndarray) -> None:
+    """parents[i] must be -1 (the root) or an earlier node: the order the verification step lays nodes out in."""
+    parents = np.asarray(parents)
+    if parents.ndim != 1 or ((parents < -1) | (parents >= np.arange(parents.shape[0]))).any():
+        raise ValueError(f"tree parents must be -1 or an earlier node's index, got {parents.tolist()}")
+
+
+def tree_depths(parents: np.ndarray) -> np.ndarray:
+    """Depth of each node below the root (children of the root: 1)."""
+    depth = np.zeros(len(parents), dtype=np.int64)  # [n]
+    for i, p in enumerate(parents):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    return depth
+
+
+def tree_attention_bias(parents: np.ndarray, past: int, dtype=np.float32) -> np.ndarray:
+    """Additive attention bias [1, 1, n+1, past+n+1] of a tree step: every slot (root first) sees the whole past,
+    its ancestors and itself; -inf elsewhere, so siblings and cousins never see each other."""
+    n = len(parents)
+    sees = np.eye(n + 1, dtype=bool)  # [n+1, n+1] slot 0 = root
+    sees[1:, 0] = True
+    for i, p in enumerate(parents):  # parents precede children: the parent's row is complete
+        if p >= 0:
+            sees[i + 1] |= sees[p + 1]
+    bias = np.zeros((1, 1, n + 1, past + n + 1), dtype=dtype)
+    bias[0, 0, :, past:] = np.where(sees, 0.0, -np.inf)
+    return bias
+
+
 def residual(p_target_row: np.ndarray, p_draft_row: np.ndarray) -> np.ndarray:
     """The distribution to draw the correction from after a rejection: norm(max(0, p_target - p_draft)).
 

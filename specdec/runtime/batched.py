@@ -53,6 +53,7 @@ from specdec.runtime.decoder import MAX_STEP, Decoder
 from specdec.runtime.draft_len import (ACCEPT_EMA, ACCEPT_PRIOR, AdaptiveDraftLen, DraftLenPolicy, choose_policy,
                                        median_seconds)
 from specdec.runtime.drafters.base import Draft
+from specdec.runtime.manifest import ATTENTION_BIAS
 from specdec.runtime.drafters.draft_model import CONFIDENCE_STOP, draft_confidence
 from specdec.runtime.drafters.ngram import NgramDrafter
 from specdec.runtime.engine import AUTO_K_MAX, Engine, Generation, GenerationConfig, OutputText
@@ -110,6 +111,8 @@ class _RowBinding:
         b.bind_cpu_input("seqlens_k", np.array([length + T - 1], dtype=np.int32))
         b.bind_cpu_input("total_sequence_length", np.array(length + T, dtype=np.int32))
         b.bind_cpu_input("query_lens", np.array([T], dtype=np.int32))
+        if self.decoder.spec.has_tree_bias:  # a tree-capable graph run as a plain causal step
+            b.bind_cpu_input(ATTENTION_BIAS, np.zeros((1, 1, T, length + T), dtype=np.float32))
         for name, _, value in self._outputs(T):
             b.bind_ortvalue_output(name, value)
         self.decoder.session.run_with_iobinding(b)

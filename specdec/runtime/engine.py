@@ -19,6 +19,7 @@ from specdec.runtime.decoder import Decoder
 from specdec.runtime.draft_len import AdaptiveDraftLen, DraftLenPolicy, FixedDraftLen, choose_policy, median_seconds
 from specdec.runtime.drafters.base import Drafter
 from specdec.runtime.drafters.draft_model import ModelDrafter
+from specdec.runtime.drafters.eagle import EagleDrafter
 from specdec.runtime.drafters.hybrid import LOOKUP_MIN_NGRAM, HybridDrafter
 from specdec.runtime.drafters.layerskip import LayerSkipDrafter
 from specdec.runtime.drafters.ngram import NgramDrafter
@@ -148,7 +149,8 @@ class Engine:
         return SplitTarget(exit_slice, self._decoder("tail", kv=exit_slice.kv))
 
     def use_drafter(self, kind: str) -> None:
-        """Switch drafter ("none", "ngram", "model", "hybrid", "layerskip"); each is built once and kept."""
+        """Switch drafter ("none", "ngram", "model", "hybrid", "layerskip", "eagle"); each is built once and kept.
+        "hybrid" is n-gram lookup where it matches and the bundle's draft model or EAGLE head elsewhere."""
         if kind not in self._drafters:
             self._drafters[kind] = self._make_drafter(kind)
         self.drafter_kind, self.drafter = kind, self._drafters[kind]
@@ -173,6 +175,16 @@ class Engine:
             return None
         if kind == "ngram":
             return NgramDrafter(max_ngram=m.drafter.max_ngram)
+        if kind == "eagle" or (kind == "hybrid" and m.drafter.kind == "eagle"):
+            if m.drafter.kind != "eagle" or not isinstance(self.target, Decoder):
+                raise SpecdecError(f"bundle {self.path} has no EAGLE head", "re-export with --drafter eagle")
+            eagle = self._drafters.get("eagle") or EagleDrafter(
+                self.target, self._decoder(m.drafter.graph), np.load(self.path / m.drafter.draft_vocab))
+            self._drafters["eagle"] = eagle
+            if kind == "eagle":
+                return eagle
+            # Shares the head (and its cache) with kind "eagle".
+            return HybridDrafter(NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM), eagle)
         if kind in ("model", "hybrid"):
             if m.drafter.graph is None:
                 raise SpecdecError(f"bundle {self.path} has no draft model", "re-export with --drafter self-int8 or model:PATH")
@@ -191,7 +203,7 @@ class Engine:
                 raise SpecdecError(f"bundle {self.path} has no LayerSkip exit", "re-export with --drafter layerskip")
             vocab = np.load(self.path / m.drafter.draft_vocab)
             return LayerSkipDrafter(self.target, ExitHead(self.path / m.drafter.exit_head, vocab, self.runtime))
-        raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram, model, hybrid or layerskip")
+        raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram, model, hybrid, layerskip or eagle")
 
     def _draft_len_policy(self, draft_len: int | str | None) -> DraftLenPolicy | None:
         if draft_len is None:

@@ -51,6 +51,16 @@ class KVCache:
         """Make `n` more positions valid (per row when an array): the tokens the caller kept."""
         self.lengths += n
 
+    def compact(self, start: int, slots: np.ndarray) -> None:
+        """Row 0: move the K/V at positions start + slots to start, start + 1, ... (an accepted tree path).
+        The source rows are gathered before any is written, so overlapping moves are safe."""
+        if self.slab is None:
+            raise SpecdecError("token-tree verification needs the K/V on the host (CPU provider) in this version",
+                               "use chain drafting (the default) on a GPU provider")
+        n = len(slots)
+        row = self.slab[:, :, 0]  # [L, 2, KV, M, H] a view
+        row[:, :, :, start:start + n] = row[:, :, :, start + np.asarray(slots)]
+
     def truncate(self, length: int | np.ndarray) -> None:
         """O(1) rollback: everything at or after `length` is invalid from now on."""
         self.lengths[:] = np.minimum(self.lengths, length)

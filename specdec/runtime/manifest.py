@@ -22,7 +22,9 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 # Precisions whose graphs need a GPU to be worth running: the CPU provider has fp16 kernels, but they are
 # slower than fp32 there (FACTS: 100 vs 44 us for one attention node) and less exact.
 GPU_PRECISIONS = ("fp16",)
-DRAFTER_KINDS = ("none", "ngram", "model", "layerskip")
+DRAFTER_KINDS = ("none", "ngram", "model", "layerskip", "eagle")
+FEATURES = "features"  # an EAGLE head graph's input: the residual stream it drafts from
+ATTENTION_BIAS = "attention_bias"  # a tree-verifying graph's input: additive attention mask [B,1,T,P+T]
 
 
 def _require(cond: bool, what: str) -> None:
@@ -103,6 +105,16 @@ class GraphSpec:
         return "logits" in self.outputs
 
     @property
+    def has_features(self) -> bool:
+        """An EAGLE head's graph: it takes a residual stream (`features`) beside the token ids."""
+        return FEATURES in self.inputs
+
+    @property
+    def has_tree_bias(self) -> bool:
+        """Whether the graph takes an attention bias, i.e. can verify a token tree in one step."""
+        return ATTENTION_BIAS in self.inputs
+
+    @property
     def entry(self) -> str:
         """The graph's first input: token ids, or (a slice starting past layer 0) the residual stream."""
         return "hidden_in" if self.first_layer else "input_ids"
@@ -123,7 +135,7 @@ class GraphSpec:
 @dataclass(frozen=True)
 class DrafterSpec:
     kind: str = "none"
-    graph: str | None = None  # key into Manifest.graphs for kind == "model"
+    graph: str | None = None  # key into Manifest.graphs for kinds "model" and "eagle" (the head's graph)
     max_ngram: int = 3
     draft_len: int = 4
     # kind == "layerskip": the target is split at exit_layer into graphs "exit" (layers [0, E)) and "tail"
@@ -136,13 +148,15 @@ class DrafterSpec:
 
     def __post_init__(self) -> None:
         _require(self.kind in DRAFTER_KINDS, f"drafter.kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
-        _require((self.graph is not None) == (self.kind == "model"),
-                 "drafter.graph is required for kind 'model' and only for it")
+        _require((self.graph is not None) == (self.kind in ("model", "eagle")),
+                 "drafter.graph is required for kinds 'model' and 'eagle' and only for them")
         _require(self.max_ngram >= 1, "drafter.max_ngram must be >= 1")
         _require(self.draft_len >= 1, "drafter.draft_len must be >= 1")
         layerskip = self.kind == "layerskip"
-        _require(layerskip == (self.exit_layer > 0) == (self.exit_head is not None) == (self.draft_vocab is not None),
-                 "drafter.exit_layer, exit_head and draft_vocab are required for kind 'layerskip' and only for it")
+        _require(layerskip == (self.exit_layer > 0) == (self.exit_head is not None),
+                 "drafter.exit_layer and exit_head are required for kind 'layerskip' and only for it")
+        _require((self.draft_vocab is not None) == (self.kind in ("layerskip", "eagle")),
+                 "drafter.draft_vocab is required for kinds 'layerskip' and 'eagle' and only for them")
 
 
 @dataclass(frozen=True)
@@ -177,6 +191,15 @@ class Manifest:
                      f"graph 'tail' must run layers [{E}, {L}) and the LM head")
             for f in (self.drafter.exit_head, self.drafter.draft_vocab):
                 _require(f in self.files, f"drafter file {f} is not listed in files")
+        if self.drafter.kind == "eagle":
+            L, head = self.model.n_layers, self.graphs[self.drafter.graph]
+            _require(L in self.graphs["target"].hidden_layers,
+                     f"an eagle bundle's target graph must output hidden.{L} (the residual stream the head reads)")
+            _require(head.has_features,
+                     f"graph {self.drafter.graph!r} is not an EAGLE head (no 'features' input)")
+            _require(head.model.hidden_size == self.model.hidden_size,
+                     f"the EAGLE head's hidden size {head.model.hidden_size} differs from the target's {self.model.hidden_size}")
+            _require(self.drafter.draft_vocab in self.files, f"drafter file {self.drafter.draft_vocab} is not listed in files")
         _require(self.tokenizer.file in self.files, f"tokenizer file {self.tokenizer.file} is not listed in files")
         _require(0 < self.default_max_len <= self.model.max_position,
                  f"default_max_len must be in (0, {self.model.max_position}], got {self.default_max_len}")

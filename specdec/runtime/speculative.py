@@ -7,7 +7,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from specdec.runtime.acceptance import greedy_accept, speculative_accept
+from specdec.runtime.acceptance import (greedy_accept, speculative_accept, tree_attention_bias, tree_depths,
+                                        tree_greedy_accept)
 from specdec.runtime.decoder import MAX_STEP, Decoder
 from specdec.runtime.draft_len import DraftLenPolicy
 from specdec.runtime.drafters.base import Draft, Drafter
@@ -64,6 +65,18 @@ class SpecStats:
                 "decode_tok_s": round(self.decode_tok_s, 2)}
 
 
+def verify_tree(target: Decoder, step: np.ndarray, parents: np.ndarray) -> tuple[list[int], int]:
+    """One greedy verification of a token tree step [1, n+1] (the round's input, then the nodes): every node at
+    position length + depth, seeing only its ancestors; the accepted path's K/V then moved into chain order.
+    Returns (the accepted nodes, the next token)."""
+    start = int(target.kv.lengths[0])
+    positions = start + np.concatenate([[0], tree_depths(parents)])[None, :]  # [1, n+1]
+    logits = target.forward(step, positions, bias=tree_attention_bias(parents, start))[0]  # [n+1, vocab]
+    path, token = tree_greedy_accept(step[0, 1:], parents, logits)
+    target.keep_path(start + 1, np.asarray(path, dtype=np.int64))
+    return path, token
+
+
 def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int], n_cached: int,
               draft_len: DraftLenPolicy, sampling: SamplingConfig, rng: np.random.Generator,
               stats: SpecStats) -> Iterator[list[int]]:
@@ -91,20 +104,26 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
             t_round = time.perf_counter()
             draft = drafter.propose(context, k) if proposed else NO_DRAFT
             t_drafted = time.perf_counter()
-            logits = target.forward(np.asarray([[token, *draft.tokens]], dtype=np.int64))[0]  # [k+1, vocab]
-            t_verified = time.perf_counter()
-            if sampling.greedy:
-                n_accepted, token = greedy_accept(draft.tokens, logits)
+            step = np.asarray([[token, *draft.tokens]], dtype=np.int64)  # [1, k+1]
+            if draft.parents is not None:
+                accepted, token = verify_tree(target, step, draft.parents)
+                n_accepted = len(accepted)
             else:
-                p_target = probs_from_logits(logits, sampling)  # [k+1, vocab]
-                n_accepted, token = speculative_accept(draft.tokens, draft.p_draft, p_target, rng)
+                logits = target.forward(step)[0]  # [k+1, vocab]
+                if sampling.greedy:
+                    n_accepted, token = greedy_accept(draft.tokens, logits)
+                else:
+                    p_target = probs_from_logits(logits, sampling)  # [k+1, vocab]
+                    n_accepted, token = speculative_accept(draft.tokens, draft.p_draft, p_target, rng)
+                accepted = list(range(n_accepted))
+            t_verified = time.perf_counter()
             kv.advance(1 + n_accepted)
             if proposed:
                 drafter.accept(n_accepted, token)
             if drafter is not None:  # the policy learns costs from plain rounds (k = 0) too
                 draft_len.update(draft.k, n_accepted, t_drafted - t_round, t_verified - t_drafted, source)
             stats.record(draft.k, n_accepted)
-            new = [*map(int, draft.tokens[:n_accepted]), token]
+            new = [*map(int, draft.tokens[accepted]), token]
             context += new
             stats.decode_s = time.perf_counter() - t0
             yield new

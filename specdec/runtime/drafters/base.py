@@ -11,6 +11,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from specdec.runtime.acceptance import check_tree, tree_depths
 from specdec.runtime.sampling import SamplingConfig
 
 
@@ -24,10 +25,17 @@ class Draft:
 
     tokens: np.ndarray  # [k] int64
     p_draft: np.ndarray | None = None  # [k, vocab] float32, rows sum to 1
+    # A token tree (greedy only): node i hangs under node parents[i], -1 being the round's input token. None: a
+    # chain, each token under the one before. The target verifies every node in one step (tree attention mask).
+    parents: np.ndarray | None = None  # [k] int64
 
     def __post_init__(self) -> None:
         if self.tokens.ndim != 1:
             raise ValueError(f"draft tokens must be 1-D, got shape {self.tokens.shape}")
+        if self.parents is not None:
+            check_tree(self.parents)
+            if self.parents.shape != self.tokens.shape or self.p_draft is not None:
+                raise ValueError("a tree draft needs one parent per token and no p_draft (trees are verified greedily)")
         if self.p_draft is not None and self.p_draft.shape[0] != self.tokens.shape[0]:
             raise ValueError(
                 f"p_draft has {self.p_draft.shape[0]} rows for {self.tokens.shape[0]} draft tokens"
@@ -35,7 +43,10 @@ class Draft:
 
     @property
     def k(self) -> int:
-        return int(self.tokens.shape[0])
+        """Draft length: the number of tokens, or a tree's depth (the most it can get accepted)."""
+        if self.parents is None:
+            return int(self.tokens.shape[0])
+        return int(tree_depths(self.parents).max(initial=0))
 
 
 @runtime_checkable

@@ -1,0 +1,190 @@
+"""EAGLE heads on a tiny model: training, train/inference parity of the unrolled chain, lossless drafting, refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import specdec  # noqa: E402
+from specdec.errors import SpecdecError  # noqa: E402
+from specdec.export import eagle as eagle_mod  # noqa: E402
+from specdec.export.bundle import ExportConfig, export_bundle  # noqa: E402
+from specdec.export.eagle import EagleConfig, load_heads, module_from_heads, target_fingerprint, train_eagle, unrolled  # noqa: E402
+from specdec.runtime.engine import GenerationConfig  # noqa: E402
+from specdec.runtime.sampling import SamplingConfig  # noqa: E402
+
+TRAIN = EagleConfig(epochs=4, batch_tokens=512, unroll=3, draft_vocab=200)
+
+
+@pytest.fixture(scope="module")
+def data(tiny_checkpoint, tmp_path_factory):
+    from specdec.export.distill_data import DistillDataConfig, plan_prompts, write_distill_data
+    from specdec.export.source import load_source
+
+    src = load_source(tiny_checkpoint)
+    cfg = DistillDataConfig(n_prompts=24, new_tokens=24, batch=8, seed=0)
+    out = tmp_path_factory.mktemp("distill") / "data"
+    write_distill_data(src.model, src.tokenizer, out, cfg, plan_prompts(cfg, [], set()), "tiny")
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_checkpoint, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("heads") / "heads.npz"
+    report = train_eagle(tiny_checkpoint, data, out, TRAIN)
+    return out, report
+
+
+@pytest.fixture(scope="module")
+def eagle_bundle(tiny_checkpoint, trained, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bundles") / "eagle"
+    export_bundle(tiny_checkpoint, out, ExportConfig(drafter="eagle", eagle_heads=trained[0], max_len=256))
+    return out
+
+
+def test_training_lowers_the_loss_and_reports_held_out_agreement(trained):
+    path, r = trained
+    assert path.is_file() and not path.with_name(path.name + ".ckpt").exists()
+    assert r["last_loss"] < r["first_loss"]
+    assert len(r["held_out_after"]["agreement_by_step"]) == TRAIN.unroll
+    assert r["draft_vocab"] <= TRAIN.draft_vocab and 0 < r["vocab_coverage"] <= 1
+
+
+def test_unrolled_training_chain_matches_the_onnx_head_drafting(tiny_checkpoint, eagle_bundle, trained):
+    """Step j of the training unroll at position s is exactly what drafting computes for the j-th draft of a
+    chain that started at s-j+1 (real features before it, the head's own predictions after)."""
+    from specdec.export.graph import model_config_from_hf, weights_from_torch
+    from specdec.export.source import load_source
+
+    src = load_source(tiny_checkpoint)
+    cfg, w = model_config_from_hf(src.hf_config), weights_from_torch(src.model)
+    heads = load_heads(trained[0], cfg, target_fingerprint(w))
+    head, _ = module_from_heads(cfg, w, heads)
+
+    eng = specdec.load(eagle_bundle, drafter="eagle")
+    target, drafter = eng.target, eng.drafter
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=40)
+    target.kv.reset()
+    target.prefill(tokens[None])
+    feats = target.kept_tap(cfg.n_layers, 0, 40).copy()  # [40, D]
+    with torch.no_grad():
+        outs = unrolled(head, torch.from_numpy(feats)[None], torch.from_numpy(np.roll(tokens, -1))[None], 3)
+
+    p = 20  # the chain starts at position p: real features up to p
+    hk = drafter.head.kv
+    hk.reset()
+    drafter.head.forward(tokens[None, 1:p + 2], features=feats[None, :p + 1])
+    feature = drafter.head.hidden(1, p + 1)[0, -1].copy()
+    hk.advance(p + 1)
+    np.testing.assert_allclose(feature, outs[0][0, p].numpy(), atol=2e-4, rtol=1e-4)
+    for j in (2, 3):  # step j at position p+j-1 feeds the true token there and the previous step's feature
+        s = p + j - 1
+        drafter.head.forward(tokens[None, s + 1:s + 2], features=feature[None, None])
+        feature = drafter.head.hidden(1, 1)[0, -1].copy()
+        hk.advance(1)
+        np.testing.assert_allclose(feature, outs[j - 1][0, s].numpy(), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("drafter,k", [("eagle", 1), ("eagle", 3), ("eagle", "auto"), ("hybrid", 4)])
+def test_greedy_eagle_output_is_plain_greedy(eagle_bundle, drafter, k):
+    eng = specdec.load(eagle_bundle, drafter=drafter)
+    for prompt in ("the quick brown fox", "hello world, this is", "a small model proposes"):
+        plain = eng.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=0))
+        spec = eng.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=k))
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.target_forwards <= plain.stats.target_forwards
+
+
+def test_eagle_reuses_a_shared_prefix_and_stays_exact(eagle_bundle):
+    """A chat's second turn starts with the first: the head keeps its entries for the shared prefix."""
+    eng = specdec.load(eagle_bundle, drafter="eagle")
+    plain = specdec.load(eagle_bundle, drafter="none")
+    first = [{"role": "user", "content": "the quick brown fox"}]
+    a = eng.generate(first, GenerationConfig(max_new_tokens=20, draft_len=3))
+    second = first + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "hello world"}]
+    assert eng.generate(second, GenerationConfig(max_new_tokens=30, draft_len=3)).token_ids == \
+        plain.generate(second, GenerationConfig(max_new_tokens=30)).token_ids
+
+
+def test_sampled_eagle_runs_repeat_under_a_seed(eagle_bundle):
+    eng = specdec.load(eagle_bundle, drafter="eagle")
+    cfg = GenerationConfig(max_new_tokens=32, draft_len=3, seed=7, sampling=SamplingConfig(temperature=0.8))
+    assert eng.generate("the quick brown", cfg).token_ids == eng.generate("the quick brown", cfg).token_ids
+
+
+def test_heads_of_another_target_are_refused(tmp_path, trained):
+    from conftest import make_checkpoint
+
+    other = make_checkpoint(tmp_path / "other", seed=1)
+    with pytest.raises(SpecdecError, match="another target"):
+        export_bundle(other, tmp_path / "b", ExportConfig(drafter="eagle", eagle_heads=trained[0], max_len=256))
+    assert not (tmp_path / "b").exists()
+
+
+def test_no_shipped_head_for_a_new_target_says_how_to_train_one(tiny_checkpoint, tmp_path):
+    with pytest.raises(SpecdecError, match="ships no EAGLE head") as e:
+        export_bundle(tiny_checkpoint, tmp_path / "b", ExportConfig(drafter="eagle", max_len=256))
+    assert "train-drafter --kind eagle" in e.value.hint
+
+
+def test_missing_or_corrupt_data_is_one_clear_error(tiny_checkpoint, data, tmp_path):
+    with pytest.raises(SpecdecError, match="no distillation data"):
+        train_eagle(tiny_checkpoint, tmp_path / "nothing", tmp_path / "h.npz", TRAIN)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "distill.json").write_text((data / "distill.json").read_text())
+    (bad / "shard-00000.npz").write_bytes(b"not a zip")
+    with pytest.raises(SpecdecError, match="unreadable"):
+        train_eagle(tiny_checkpoint, bad, tmp_path / "h.npz", TRAIN)
+
+
+def test_a_killed_training_resumes_from_its_checkpoint(tiny_checkpoint, data, tmp_path, monkeypatch):
+    monkeypatch.setattr(eagle_mod, "CHECKPOINT_EVERY_S", 0.0)
+    cfg = EagleConfig(epochs=2, batch_tokens=512, unroll=2, draft_vocab=200)
+    out = tmp_path / "h.npz"
+
+    class Killed(Exception):
+        pass
+
+    def kill(done, total, loss):
+        if done == 5:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_eagle(tiny_checkpoint, data, out, cfg, progress=kill)
+    assert out.with_name(out.name + ".ckpt").is_file() and not out.exists()
+    seen = []
+    report = train_eagle(tiny_checkpoint, data, out, cfg, step=seen.append, progress=lambda d, t, l: seen.append(d))
+    assert any("resuming training at step 4" in str(s) for s in seen)  # the checkpoint after step 4 survived
+    assert 5 in seen and 4 not in seen[seen.index(5):]
+    assert out.is_file() and report["steps"] > 5
+
+
+def test_bad_training_settings_are_refused():
+    with pytest.raises(SpecdecError, match="unroll"):
+        EagleConfig(unroll=0)
+    with pytest.raises(SpecdecError, match="lr"):
+        EagleConfig(lr=float("nan"))
+
+
+def test_cli_trains_exports_and_generates_with_an_eagle_head(tiny_checkpoint, data, tmp_path):
+    from click.testing import CliRunner
+
+    from specdec.cli import main
+
+    heads, bundle = tmp_path / "h.npz", tmp_path / "b"
+    r = CliRunner().invoke(main, ["train-drafter", str(tiny_checkpoint), "--kind", "eagle", "--data", str(data),
+                                  "-o", str(heads), "--epochs", "1", "--unroll", "2"])
+    assert r.exit_code == 0, r.output + (r.stderr or "")
+    assert f"--drafter eagle --heads {heads}" in r.stdout and "held-out agreement by draft step" in r.stdout
+    r = CliRunner().invoke(main, ["export", str(tiny_checkpoint), "-o", str(bundle), "--drafter", "eagle",
+                                  "--heads", str(heads), "--max-len", "256"])
+    assert r.exit_code == 0, r.output + (r.stderr or "")
+    r = CliRunner().invoke(main, ["generate", str(bundle), "the quick brown fox", "--max-new-tokens", "16"])
+    assert r.exit_code == 0 and "tau" in r.output, r.output + (r.stderr or "")
+    # Quantizing would replace the weight file the head's graph reads: refused in one line.
+    q = CliRunner().invoke(main, ["quantize", str(bundle), "--to", "int8", "-o", str(tmp_path / "q")])
+    assert q.exit_code != 0 and "EAGLE head" in q.stderr and "Traceback" not in q.output
+    no_data = CliRunner().invoke(main, ["train-drafter", str(tiny_checkpoint), "--kind", "eagle", "-o", str(heads)])
+    assert no_data.exit_code != 0 and "--data" in no_data.stderr
