@@ -312,7 +312,7 @@ def generation_options(fn):
         click.option("--seed", type=int, default=None, help="Seed for sampling."),
         click.option("--draft-len", callback=_parse_draft_len, default=None,
                      help="Drafted tokens per round: K, 'auto', or 0 for plain decoding (default: the bundle's)."),
-        click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid", "layerskip", "eagle"]), default=None,
+        click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid", "layerskip", "eagle", "eagle-tree"]), default=None,
                      help="Override the bundle's drafter (hybrid = n-gram lookup where it matches, the draft model "
                           "or EAGLE head elsewhere)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
@@ -557,7 +557,7 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, th
     engine = specdec.load(bundle, max_len=max_len, runtime=runtime)
     wanted = [BenchConfig.parse(c.strip()) for c in configs.split(",") if c.strip()]
     kind = engine.manifest.drafter.kind
-    unusable = {"model": kind != "model", "hybrid": kind not in ("model", "eagle"), "eagle": kind != "eagle",
+    unusable = {"model": kind != "model", "hybrid": kind not in ("model", "eagle"), "eagle": kind != "eagle", "eagle-tree": kind != "eagle",
                 "layerskip": kind != "layerskip"}
     skipped = [c.name for c in wanted if unusable.get(c.drafter, False)]
     wanted = [c for c in wanted if not unusable.get(c.drafter, False)]

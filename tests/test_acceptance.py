@@ -277,3 +277,62 @@ def test_one_hot_drafts_are_lossless_whatever_the_drafter_does(pair):
     first, second = first_two_emitted(pair, k=2, rng=np.random.default_rng(14), one_hot_drafts=True)
     assert marginal_pvalue(pair.p0, first) > 1e-4
     assert joint_pvalue(pair, first, second) > 1e-4
+
+
+# ---- token trees
+
+
+def _onehot_rows(choices, vocab=8):
+    rows = np.full((len(choices), vocab), -1.0)
+    rows[np.arange(len(choices)), choices] = 1.0
+    return rows
+
+
+def test_tree_accept_follows_the_branch_holding_the_targets_choice():
+    from specdec.runtime.acceptance import tree_greedy_accept
+
+    # root -> {a=3 (node 0), b=5 (node 1)}; node 0 -> c=4 (node 2); node 1 -> d=6 (node 3)
+    tokens, parents = np.array([3, 5, 4, 6]), np.array([-1, -1, 0, 1])
+    # target: after root 5 (node 1's token), after node 1: 6 (node 3), after node 3: 7 (bonus)
+    logits = _onehot_rows([5, 0, 0, 0, 7])  # rows: root, node0, node1, node2, node3
+    logits[2] = _onehot_rows([6])[0]
+    assert tree_greedy_accept(tokens, parents, logits) == ([1, 3], 7)
+    # The target wants 2 at the root: nothing accepted, 2 emitted.
+    assert tree_greedy_accept(tokens, parents, _onehot_rows([2, 0, 0, 0, 0])) == ([], 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=6), st.lists(st.integers(0, 3), min_size=7, max_size=7))
+def test_a_chain_shaped_tree_accepts_what_greedy_accept_does(drafts, choices):
+    from specdec.runtime.acceptance import tree_greedy_accept
+
+    k = len(drafts)
+    logits = _onehot_rows(choices[:k + 1], vocab=4)
+    n, token = greedy_accept(np.array(drafts), logits)
+    path, tree_token = tree_greedy_accept(np.array(drafts), np.arange(k) - 1, logits)
+    assert (path, tree_token) == (list(range(n)), token)
+
+
+def test_tree_bias_lets_each_node_see_the_past_its_ancestors_and_itself():
+    from specdec.runtime.acceptance import tree_attention_bias, tree_depths
+
+    parents = np.array([-1, -1, 0, 1])
+    bias = tree_attention_bias(parents, past=2)
+    assert bias.shape == (1, 1, 5, 7)
+    sees = bias[0, 0] == 0
+    assert sees[:, :2].all()  # the past
+    expected = np.array([[1, 0, 0, 0, 0],   # root
+                         [1, 1, 0, 0, 0],   # node 0
+                         [1, 0, 1, 0, 0],   # node 1 (sibling of node 0: not seen)
+                         [1, 1, 0, 1, 0],   # node 2 under node 0
+                         [1, 0, 1, 0, 1]], dtype=bool)  # node 3 under node 1
+    assert (sees[:, 2:] == expected).all()
+    assert tree_depths(parents).tolist() == [1, 1, 2, 2]
+
+
+
+def test_a_node_under_a_later_node_is_refused():
+    from specdec.runtime.acceptance import tree_greedy_accept
+
+    with pytest.raises(ValueError, match="earlier node"):
+        tree_greedy_accept(np.array([1, 2, 3]), np.array([-1, 2, 0]), np.zeros((4, 5)))

@@ -188,3 +188,86 @@ def test_cli_trains_exports_and_generates_with_an_eagle_head(tiny_checkpoint, da
     assert q.exit_code != 0 and "EAGLE head" in q.stderr and "Traceback" not in q.output
     no_data = CliRunner().invoke(main, ["train-drafter", str(tiny_checkpoint), "--kind", "eagle", "-o", str(heads)])
     assert no_data.exit_code != 0 and "--data" in no_data.stderr
+
+
+# ---- token-tree verification on the eagle bundle's (tree-capable) target
+
+
+def _target(eagle_bundle):
+    eng = specdec.load(eagle_bundle, drafter="none")
+    assert eng.target.spec.has_tree_bias
+    return eng.target
+
+
+def test_tree_step_logits_equal_each_branch_decoded_on_its_own(eagle_bundle):
+    """Brute force: every node's logits from the one tree step equal those of a plain causal forward over the
+    past + that node's branch."""
+    from specdec.runtime.acceptance import tree_attention_bias, tree_depths
+
+    target = _target(eagle_bundle)
+    rng = np.random.default_rng(1)
+    past = rng.integers(0, 300, size=17)
+    root, nodes = 11, rng.integers(0, 300, size=6)
+    parents = np.array([-1, -1, 0, 0, 1, 2])
+    target.kv.reset()
+    target.prefill(past[None])
+    step = np.concatenate([[root], nodes])[None]
+    positions = len(past) + np.concatenate([[0], tree_depths(parents)])[None]
+    tree_logits = target.forward(step, positions, bias=tree_attention_bias(parents, len(past)))[0].copy()
+    for i in range(-1, len(nodes)):
+        branch, j = [], i
+        while j >= 0:
+            branch.insert(0, int(nodes[j]))
+            j = parents[j]
+        plain = target.forward(np.asarray([[root, *branch]]))[0, -1]  # the cache still holds only the past
+        np.testing.assert_allclose(tree_logits[i + 1], plain, atol=1e-4, rtol=1e-4)
+
+
+def test_compacting_the_accepted_path_leaves_the_cache_of_a_plain_decode(eagle_bundle):
+    from specdec.runtime.speculative import verify_tree
+
+    target = _target(eagle_bundle)
+    target.keep_tap(target.model.n_layers)
+    rng = np.random.default_rng(2)
+    past, root = rng.integers(0, 300, size=9), 7
+    target.kv.reset()
+    target.prefill(past[None])
+    greedy = [root]  # the target's own next three tokens after root (forwards without advancing the cache)
+    for _ in range(3):
+        greedy.append(int(target.forward(np.asarray([greedy]))[0, -1].argmax()))
+    # Path root -> node 1 -> node 3 -> node 4 holds them; nodes 0 and 2 are decoys on other branches.
+    nodes = np.array([(greedy[1] + 1) % 300, greedy[1], (greedy[2] + 1) % 300, greedy[2], greedy[3]])
+    parents = np.array([-1, -1, 1, 1, 3])
+    accepted, _ = verify_tree(target, np.concatenate([[root], nodes])[None], parents)
+    assert accepted == [1, 3, 4]
+    n = len(past) + 1 + len(accepted)
+    target.kv.advance(1 + len(accepted))
+    tree_kv = target.kv.slab[:, :, 0, :, :n].copy()
+    tree_tap = target.kept_tap(target.model.n_layers, 0, n).copy()
+    target.kv.reset()  # the same tokens decoded as a chain
+    target.prefill(np.concatenate([past, greedy])[None])
+    np.testing.assert_allclose(tree_kv, target.kv.slab[:, :, 0, :, :n], atol=1e-5)
+    np.testing.assert_allclose(tree_tap, target.kept_tap(target.model.n_layers, 0, n), atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [2, 4, "auto"])
+def test_greedy_eagle_tree_output_is_plain_greedy(eagle_bundle, k):
+    eng = specdec.load(eagle_bundle, drafter="eagle-tree")
+    for prompt in ("the quick brown fox", "hello world, this is", "a small model proposes"):
+        plain = eng.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=0))
+        spec = eng.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=k))
+        assert spec.token_ids == plain.token_ids
+
+
+def test_tree_drafts_are_trees_and_sampling_falls_back_to_chains(eagle_bundle):
+    eng = specdec.load(eagle_bundle, drafter="eagle-tree")
+    drafts = []
+    real = eng.drafter.propose
+    eng.drafter.propose = lambda ctx, k: drafts.append(real(ctx, k)) or drafts[-1]
+    eng.generate("the quick brown fox", GenerationConfig(max_new_tokens=24, draft_len=3))
+    assert drafts and all(d.parents is not None for d in drafts if d.tokens.size)
+    assert any(d.tokens.size > d.k for d in drafts)  # leaves beside the chain
+    drafts.clear()
+    eng.generate("the quick brown fox", GenerationConfig(max_new_tokens=24, draft_len=3, seed=1,
+                                                         sampling=SamplingConfig(temperature=0.7)))
+    assert drafts and all(d.parents is None for d in drafts)

@@ -21,7 +21,7 @@ from specdec.export.graph import (CONTROL_INPUTS, build_decoder_graph, kv_input_
 from specdec.export.layerskip import LayerSkipConfig
 from specdec.export.verify import check_logits
 from specdec.quant.weight_only import SELF_DRAFT_PRESETS, TARGET_PRESETS, quantize_weights
-from specdec.runtime.manifest import (MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
+from specdec.runtime.manifest import (ATTENTION_BIAS, MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
                                       read_manifest, sha256_file)
 from specdec.runtime.tokenizer import vocab_digest
 
@@ -81,9 +81,9 @@ def bundle_files(folder: Path) -> dict[str, str]:
 
 
 def _graph_spec(file: str, cfg: ModelConfig, precision: str, n_layers: int, hidden: tuple[int, ...] = (),
-                quant: dict | None = None) -> GraphSpec:
+                quant: dict | None = None, tree: bool = False) -> GraphSpec:
     return GraphSpec(file=file, model=cfg, precision=precision, n_layers=n_layers,
-                     inputs=CONTROL_INPUTS + tuple(kv_input_names(n_layers)),
+                     inputs=CONTROL_INPUTS + ((ATTENTION_BIAS,) if tree else ()) + tuple(kv_input_names(n_layers)),
                      outputs=("logits", *kv_output_names(n_layers), *(f"hidden.{t}" for t in hidden)),
                      hidden_layers=hidden, quant=quant or {})
 
@@ -125,6 +125,7 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
                                "--data DATA -o heads.npz`, and export with --heads heads.npz")
         heads = load_heads(path, model_cfg, fingerprint)
     taps = (L,) if heads is not None else ()  # the residual stream an EAGLE head reads
+    tree = heads is not None  # its drafts may be verified as a token tree (drafter "eagle-tree")
 
     with staged_folder(out_dir) as partial:
         graphs: dict[str, GraphSpec] = {}
@@ -132,8 +133,9 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         step(f"writing target graph ({cfg.precision})")
         if cfg.precision in ("fp32", "fp16"):
             dtype = np.float16 if cfg.precision == "fp16" else np.float32
-            save_graph(build_decoder_graph(model_cfg, weights, hidden_layers=taps, dtype=dtype), partial / "target.onnx")
-            graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, hidden=taps)
+            save_graph(build_decoder_graph(model_cfg, weights, hidden_layers=taps, dtype=dtype, tree=tree),
+                       partial / "target.onnx")
+            graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, hidden=taps, tree=tree)
         else:
             qcfg = TARGET_PRESETS[cfg.precision]
             head_weights = weights.with_own_lm_head() if qcfg.quantizes_head else weights

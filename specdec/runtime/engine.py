@@ -19,7 +19,7 @@ from specdec.runtime.decoder import Decoder
 from specdec.runtime.draft_len import AdaptiveDraftLen, DraftLenPolicy, FixedDraftLen, choose_policy, median_seconds
 from specdec.runtime.drafters.base import Drafter
 from specdec.runtime.drafters.draft_model import ModelDrafter
-from specdec.runtime.drafters.eagle import EagleDrafter
+from specdec.runtime.drafters.eagle import EagleDrafter, EagleHead
 from specdec.runtime.drafters.hybrid import LOOKUP_MIN_NGRAM, HybridDrafter
 from specdec.runtime.drafters.layerskip import LayerSkipDrafter
 from specdec.runtime.drafters.ngram import NgramDrafter
@@ -34,6 +34,10 @@ from specdec.runtime.tokenizer import StreamDecoder, TextCodec
 # Longest draft the adaptive policy considers: with acceptance 0.8, an 9th draft token adds
 # 0.8^9 = 0.13 expected tokens while every drafted token costs a draft step.
 AUTO_K_MAX = 8
+# Drafter "eagle-tree": the head's next-best tokens added as leaves at draft depths 1, 2, 3. Where the chain's
+# token is rejected, the target's choice is often the head's second (or third) guess; every leaf widens the
+# verification step by one token, which costs an fp32 target little (FACTS: T=10 is 1.23x T=5) and more for int4.
+TREE_SIBLINGS = (2, 1, 1)
 
 Prompt = Union[str, Sequence[dict]]  # text, or chat messages [{"role": ..., "content": ...}]
 
@@ -131,6 +135,7 @@ class Engine:
                                m.tokenizer.eos_token_ids)
         self.target: Decoder | SplitTarget = self._split_target() if m.split_target else self._decoder("target")
         self._drafters: dict[str, Drafter | None] = {}
+        self._eagle_head: EagleHead | None = None  # one head graph and cache for every EAGLE drafter
         self.use_drafter(drafter or m.drafter.kind)
         self.cached_ids: list[int] = []  # what the target's KV holds, for prefix reuse across calls
         self.last_stats = SpecStats()
@@ -149,7 +154,8 @@ class Engine:
         return SplitTarget(exit_slice, self._decoder("tail", kv=exit_slice.kv))
 
     def use_drafter(self, kind: str) -> None:
-        """Switch drafter ("none", "ngram", "model", "hybrid", "layerskip", "eagle"); each is built once and kept.
+        """Switch drafter ("none", "ngram", "model", "hybrid", "layerskip", "eagle", "eagle-tree"); each is built once
+        and kept. "eagle-tree" verifies the EAGLE chain plus the head's next-best tokens (TREE_SIBLINGS) as a tree.
         "hybrid" is n-gram lookup where it matches and the bundle's draft model or EAGLE head elsewhere."""
         if kind not in self._drafters:
             self._drafters[kind] = self._make_drafter(kind)
@@ -175,15 +181,18 @@ class Engine:
             return None
         if kind == "ngram":
             return NgramDrafter(max_ngram=m.drafter.max_ngram)
-        if kind == "eagle" or (kind == "hybrid" and m.drafter.kind == "eagle"):
+        if kind in ("eagle", "eagle-tree") or (kind == "hybrid" and m.drafter.kind == "eagle"):
             if m.drafter.kind != "eagle" or not isinstance(self.target, Decoder):
                 raise SpecdecError(f"bundle {self.path} has no EAGLE head", "re-export with --drafter eagle")
-            eagle = self._drafters.get("eagle") or EagleDrafter(
-                self.target, self._decoder(m.drafter.graph), np.load(self.path / m.drafter.draft_vocab))
-            self._drafters["eagle"] = eagle
-            if kind == "eagle":
+            if kind == "eagle-tree" and not self.target.spec.has_tree_bias:
+                raise SpecdecError(f"bundle {self.path}'s target graph cannot verify token trees",
+                                   "re-export it with this specdec version")
+            if self._eagle_head is None:
+                self._eagle_head = EagleHead(self._decoder(m.drafter.graph), np.load(self.path / m.drafter.draft_vocab))
+            siblings = TREE_SIBLINGS if kind == "eagle-tree" else ()
+            eagle = EagleDrafter(self.target, self._eagle_head, siblings=siblings)
+            if kind != "hybrid":
                 return eagle
-            # Shares the head (and its cache) with kind "eagle".
             return HybridDrafter(NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM), eagle)
         if kind in ("model", "hybrid"):
             if m.drafter.graph is None:

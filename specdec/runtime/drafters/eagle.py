@@ -18,33 +18,50 @@ from specdec.runtime.drafters.draft_model import CONFIDENCE_STOP, draft_confiden
 from specdec.runtime.sampling import SamplingConfig, probs_from_logits, sample
 
 
+class EagleHead:
+    """The head's graph, its draft vocabulary and what its one-layer cache holds: shared by every drafter that
+    drafts from it (chain, tree, hybrid), so that switching between them keeps the cache's bookkeeping right."""
+
+    def __init__(self, decoder: Decoder, vocab: np.ndarray) -> None:
+        self.decoder = decoder
+        self.vocab = np.asarray(vocab, dtype=np.int64)  # [N] target ids of the head's logits
+        if decoder.model.vocab_size != len(self.vocab):
+            raise ValueError(f"EAGLE head has {decoder.model.vocab_size} logits, its draft vocabulary {len(self.vocab)} ids")
+        self.ids: list[int] = []  # cache entry s was made from ids[s] (its feature) and ids[s+1]
+
+
 class EagleDrafter:
-    def __init__(self, target: Decoder, head: Decoder, vocab: np.ndarray, confidence_stop: float = CONFIDENCE_STOP) -> None:
+    def __init__(self, target: Decoder, head: EagleHead, confidence_stop: float = CONFIDENCE_STOP,
+                 siblings: tuple[int, ...] = ()) -> None:
+        """`siblings[d]`: the head's next-best tokens at draft depth d+1 added as leaves beside the chain's token
+        (greedy decoding on a tree-capable target only); () drafts a plain chain."""
         if not 0.0 <= confidence_stop < 1.0:
             raise ValueError(f"confidence_stop must be in [0, 1), got {confidence_stop}")
-        self.vocab = np.asarray(vocab, dtype=np.int64)  # [N] target ids of the head's logits
-        if head.model.vocab_size != len(self.vocab):
-            raise ValueError(f"EAGLE head has {head.model.vocab_size} logits, its draft vocabulary {len(self.vocab)} ids")
-        if head.model.hidden_size != target.model.hidden_size:
+        if any(n < 0 for n in siblings):
+            raise ValueError(f"siblings must be >= 0, got {siblings}")
+        if any(siblings) and not target.spec.has_tree_bias:
+            raise ValueError("tree drafting needs a target graph with an attention_bias input")
+        if head.decoder.model.hidden_size != target.model.hidden_size:
             raise ValueError("EAGLE head and target differ in hidden size")
         self.tap = target.model.n_layers  # the residual stream before the final norm
         target.keep_tap(self.tap)
-        self.target, self.head = target, head
+        self.target, self.shared = target, head
+        self.head, self.vocab = head.decoder, head.vocab
         self.confidence_stop = confidence_stop
-        self.ids: list[int] = []  # entry s of the head's cache was made from ids[s] (feature) and ids[s+1]
+        self.siblings = tuple(siblings)
         self.sampling = SamplingConfig()
         self.rng = np.random.default_rng(0)
 
     def begin(self, prompt_ids: Sequence[int], sampling: SamplingConfig, rng: np.random.Generator) -> None:
         self.sampling, self.rng = sampling, rng
         common = 0  # keep the head's entries for a prefix shared with the last sequence (a chat's earlier turns)
-        for a, b in zip(self.ids, prompt_ids):
+        for a, b in zip(self.shared.ids, prompt_ids):
             if a != b:
                 break
             common += 1
         kept = max(common - 1, 0)  # entry s also depends on token s+1
         self.head.kv.truncate(kept)
-        self.ids = list(prompt_ids[:kept])
+        self.shared.ids = list(prompt_ids[:kept])
 
     def source(self, context: Sequence[int]) -> str:
         return "eagle"
@@ -63,7 +80,7 @@ class EagleDrafter:
             logits = head.forward(tokens, features=features)[0, -1].copy()  # [N]
             feature = head.hidden(1, hi - lo)[0, -1].copy()  # [hidden]
             kv.advance(hi - lo)
-        self.ids = list(context[:n_target])
+        self.shared.ids = list(context[:n_target])
         return logits, feature
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
@@ -76,11 +93,17 @@ class EagleDrafter:
         tokens = np.empty(k, dtype=np.int64)  # [k]
         p_draft = None if self.sampling.greedy else np.zeros((k, self.target.model.vocab_size), dtype=np.float32)  # [k, vocab]
         n = k
+        leaves: list[tuple[int, int]] = []  # (token, depth index) of the tree's extra leaves
+        tree = p_draft is None and any(self.siblings)
         try:
             for i in range(k):
                 if p_draft is None:
                     j = int(np.argmax(logits))
                     confidence = draft_confidence(logits, j, None)
+                    extra = self.siblings[i] if tree and i < len(self.siblings) else 0
+                    if extra:
+                        best = np.argpartition(-logits, extra)[:extra + 1]  # [extra+1] unordered top
+                        leaves += [(int(self.vocab[t]), i) for t in best[np.argsort(-logits[best])][1:]]
                 else:  # drafts come from the draft vocabulary only: p_draft is 0 elsewhere, still exact
                     p_small = probs_from_logits(logits, self.sampling)  # [N]
                     j = sample(p_small, self.rng)
@@ -95,7 +118,27 @@ class EagleDrafter:
                 kv.advance(1)
         finally:
             kv.truncate(n_target)  # entries made from predicted features go; the real ones stay
+        if tree:
+            return self._tree(tokens[:n], leaves, self.target.kv.max_len - n_target - 1)
         return Draft(tokens=tokens[:n], p_draft=None if p_draft is None else p_draft[:n])
+
+    @staticmethod
+    def _tree(chain: np.ndarray, leaves: list[tuple[int, int]], room: int) -> Draft:
+        """The chain with each depth's leaves hung beside its token (under the previous chain token), parents
+        before children; nodes past the cache's room are left out."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        above = -1  # the previous chain node (-1: the root)
+        for depth, t in enumerate(chain):
+            if len(tokens) >= room:
+                break
+            here = len(tokens)
+            for token in [int(t)] + [tok for tok, d in leaves if d == depth]:
+                if len(tokens) < room:
+                    tokens.append(token)
+                    parents.append(above)
+            above = here
+        return Draft(tokens=np.asarray(tokens, dtype=np.int64), parents=np.asarray(parents, dtype=np.int64))
 
     def accept(self, n_accepted: int, next_token: int) -> None:
         pass  # the target kept the accepted positions' features; the next propose reads them
