@@ -74,7 +74,7 @@ def main() -> None:
 @click.argument("model", required=False)
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Bundle folder to write.")
 @click.option("--drafter", default="ngram", show_default=True,
-              help="none | ngram | self-int8 | self-int4 | layerskip | eagle | model:PATH (another specdec bundle).")
+              help="none | ngram | self-int8 | self-int4 | layerskip | eagle | medusa | model:PATH (another specdec bundle).")
 @click.option("--precision", default="fp32", show_default=True,
               help="Target precision: fp32 | fp16 (for GPUs) | int8 | int4.")
 @click.option("--max-len", default=2048, show_default=True, help="Default KV buffer length (tokens).")
@@ -87,7 +87,8 @@ def main() -> None:
 @click.option("--calib-prompts", default=160, show_default=True,
               help="layerskip: prompts the target answers for the calibration and the adapter.")
 @click.option("--heads", type=click.Path(path_type=Path), default=None,
-              help="eagle: a heads file from `specdec train-drafter --kind eagle` (default: the one shipped for this target).")
+              help="eagle / medusa: a heads file from `specdec train-drafter --kind eagle|medusa` (eagle's default: the "
+                   "one shipped for this target).")
 @friendly
 def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_layer, exit_adapter, calib_prompts, heads):
     """Export MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct) into a bundle."""
@@ -99,7 +100,7 @@ def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_l
     layerskip = LayerSkipConfig(exit_layer=None if exit_layer == "auto" else int(exit_layer), adapter=exit_adapter,
                                 prompts=calib_prompts)
     cfg = ExportConfig(drafter=drafter, precision=precision, max_len=max_len, draft_len=draft_len, force=force,
-                       layerskip=layerskip, eagle_heads=heads)
+                       layerskip=layerskip, heads=heads)
     t0 = time.perf_counter()
     with _stage_progress() as step:
         manifest = export_bundle(model, out_dir, cfg, step=step)
@@ -161,9 +162,11 @@ def _print_layerskip_calibration(spec) -> None:
 @click.argument("model", required=False)
 @click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), required=True,
               help="draft-model: the draft bundle folder to write; eagle: the heads file (.npz) to write.")
-@click.option("--kind", type=click.Choice(["draft-model", "eagle"]), required=True,
+@click.option("--kind", type=click.Choice(["draft-model", "eagle", "medusa"]), required=True,
               help="draft-model: a few of the target's layers, trained on its own answers (KL to its distribution); "
-                   "eagle: a one-layer head over the target's hidden states, trained on `specdec distill-data` output.")
+                   "eagle: a one-layer head over the target's hidden states; medusa: K heads guessing K tokens ahead "
+                   "(both trained on `specdec distill-data` output).")
+@click.option("--medusa-heads", default=4, show_default=True, help="medusa: number of heads (tokens drafted per round).")
 @click.option("--data", type=click.Path(path_type=Path), default=None, help="eagle: the distill-data folder.")
 @click.option("--layers", default=4, show_default=True, help="draft-model: layers (copied from the target's).")
 @click.option("--intermediate-size", type=int, default=None,
@@ -175,12 +178,12 @@ def _print_layerskip_calibration(spec) -> None:
 @click.option("--max-tokens", type=int, default=None, help="eagle: use at most this many tokens of the data.")
 @click.option("--force", is_flag=True, help="draft-model: replace an existing output folder.")
 @friendly
-def train_drafter(model, out_path, kind, data, layers, intermediate_size, prompts, new_tokens, epochs, unroll,
-                  max_tokens, force):
+def train_drafter(model, out_path, kind, medusa_heads, data, layers, intermediate_size, prompts, new_tokens, epochs,
+                  unroll, max_tokens, force):
     """Train a drafter for MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct)."""
     t0 = time.perf_counter()
-    if kind == "eagle":
-        _train_eagle(model, out_path, data, epochs, unroll, max_tokens)
+    if kind in ("eagle", "medusa"):
+        _train_heads(model, kind, out_path, data, epochs, unroll, medusa_heads, max_tokens)
         return
     from specdec.export.distill import REPORT_NAME, DistillConfig, train_draft_model
 
@@ -200,18 +203,16 @@ def train_drafter(model, out_path, kind, data, layers, intermediate_size, prompt
     click.echo(f"use it: specdec export {model + ' ' if model else ''}-o DIR --drafter model:{out_dir}")
 
 
-def _train_eagle(model, out_path: Path, data: Path | None, epochs: int, unroll: int, max_tokens: int | None) -> None:
+def _train_heads(model, kind: str, out_path: Path, data: Path | None, epochs: int, unroll: int, n_heads: int,
+                 max_tokens: int | None) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from specdec.export.eagle import EagleConfig, train_eagle
-
     if data is None:
-        raise SpecdecError("--kind eagle needs --data DIR", "make it with `specdec distill-data -o DIR`")
-    cfg = EagleConfig(epochs=epochs, unroll=unroll, max_tokens=max_tokens)
+        raise SpecdecError(f"--kind {kind} needs --data DIR", "make it with `specdec distill-data -o DIR`")
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
                   TimeRemainingColumn(), disable=not sys.stderr.isatty()) as progress:
-        task = progress.add_task("eagle head", total=None, loss="-")
+        task = progress.add_task(f"{kind} heads", total=None, loss="-")
 
         def step(desc: str) -> None:
             progress.update(task, description=desc)
@@ -221,14 +222,24 @@ def _train_eagle(model, out_path: Path, data: Path | None, epochs: int, unroll: 
         def on_step(done: int, total: int, loss: float) -> None:
             progress.update(task, completed=done, total=total, loss=f"{loss:.3f}")
 
-        r = train_eagle(model, data, out_path, cfg, step=step, progress=on_step)
-    b, a = r["held_out_before"], r["held_out_after"]
+        if kind == "eagle":
+            from specdec.export.eagle import EagleConfig, train_eagle
+
+            r = train_eagle(model, data, out_path, EagleConfig(epochs=epochs, unroll=unroll, max_tokens=max_tokens),
+                            step=step, progress=on_step)
+            before, after = r["held_out_before"]["agreement_by_step"], r["held_out_after"]["agreement_by_step"]
+            extra = (f"; draft vocabulary covers {r['vocab_coverage']:.1%}; expected tokens per verification at k=4: "
+                     f"{r['held_out_after']['expected_tau_k4']}")
+        else:
+            from specdec.export.medusa import MedusaConfig, train_medusa
+
+            r = train_medusa(model, data, out_path, MedusaConfig(n_heads=n_heads, epochs=epochs, max_tokens=max_tokens),
+                             step=step, progress=on_step)
+            before, after, extra = r["held_out_agreement_before"], r["held_out_agreement_after"], ""
     click.echo(f"wrote {out_path} ({out_path.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.0f} s: "
-               f"{r['train_tokens']} training tokens, {r['steps']} steps ({r['training_s']:.0f} s), loss "
-               f"{r['first_loss']} -> {r['last_loss']}")
-    click.echo(f"held-out agreement by draft step {b['agreement_by_step']} -> {a['agreement_by_step']}; draft vocabulary "
-               f"covers {a['coverage']:.1%}; expected tokens per verification at k=4: {a['expected_tau_k4']}")
-    click.echo(f"use it: specdec export {model + ' ' if model else ''}-o DIR --drafter eagle --heads {out_path}")
+               f"{r['steps']} training steps ({r['training_s']:.0f} s), loss {r['first_loss']} -> {r['last_loss']}")
+    click.echo(f"held-out agreement by draft step {before} -> {after}{extra}")
+    click.echo(f"use it: specdec export {model + ' ' if model else ''}-o DIR --drafter {kind} --heads {out_path}")
 
 
 @main.command("distill-data")
@@ -312,7 +323,8 @@ def generation_options(fn):
         click.option("--seed", type=int, default=None, help="Seed for sampling."),
         click.option("--draft-len", callback=_parse_draft_len, default=None,
                      help="Drafted tokens per round: K, 'auto', or 0 for plain decoding (default: the bundle's)."),
-        click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid", "layerskip", "eagle", "eagle-tree"]), default=None,
+        click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid", "layerskip", "eagle", "eagle-tree", "medusa",
+                                                       "medusa-tree"]), default=None,
                      help="Override the bundle's drafter (hybrid = n-gram lookup where it matches, the draft model "
                           "or EAGLE head elsewhere)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
@@ -557,7 +569,8 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, th
     engine = specdec.load(bundle, max_len=max_len, runtime=runtime)
     wanted = [BenchConfig.parse(c.strip()) for c in configs.split(",") if c.strip()]
     kind = engine.manifest.drafter.kind
-    unusable = {"model": kind != "model", "hybrid": kind not in ("model", "eagle"), "eagle": kind != "eagle", "eagle-tree": kind != "eagle",
+    unusable = {"model": kind != "model", "hybrid": kind not in ("model", "eagle", "medusa"), "eagle": kind != "eagle",
+                "eagle-tree": kind != "eagle", "medusa": kind != "medusa", "medusa-tree": kind != "medusa",
                 "layerskip": kind != "layerskip"}
     skipped = [c.name for c in wanted if unusable.get(c.drafter, False)]
     wanted = [c for c in wanted if not unusable.get(c.drafter, False)]

@@ -69,3 +69,16 @@ def tiny_bundle(tmp_path_factory, tiny_checkpoint) -> Path:
     out = tmp_path_factory.mktemp("bundles") / "tiny"
     export_bundle(tiny_checkpoint, out, ExportConfig(drafter="self-int8", max_len=256))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_distill_data(tiny_checkpoint, tmp_path_factory) -> Path:
+    """`specdec distill-data` output of the tiny model: what EAGLE and Medusa heads train on."""
+    from specdec.export.distill_data import DistillDataConfig, plan_prompts, write_distill_data
+    from specdec.export.source import load_source
+
+    src = load_source(tiny_checkpoint)
+    cfg = DistillDataConfig(n_prompts=24, new_tokens=24, batch=8, seed=0)
+    out = tmp_path_factory.mktemp("distill") / "data"
+    write_distill_data(src.model, src.tokenizer, out, cfg, plan_prompts(cfg, [], set()), "tiny")
+    return out

@@ -163,8 +163,8 @@ def test_export_existing_output_needs_force(tmp_path, tiny_checkpoint):
 
 
 def test_export_unknown_drafter(tmp_path, tiny_checkpoint):
-    assert_one_error(run_cli("export", tiny_checkpoint, "-o", tmp_path / "out", "--drafter", "medusa"),
-                     "unknown drafter 'medusa'", "ngram", "self-int8", "model:PATH")
+    assert_one_error(run_cli("export", tiny_checkpoint, "-o", tmp_path / "out", "--drafter", "hydra"),
+                     "unknown drafter 'hydra'", "ngram", "self-int8", "model:PATH")
     assert not (tmp_path / "out").exists()
 
 

@@ -18,15 +18,8 @@ TRAIN = EagleConfig(epochs=4, batch_tokens=512, unroll=3, draft_vocab=200)
 
 
 @pytest.fixture(scope="module")
-def data(tiny_checkpoint, tmp_path_factory):
-    from specdec.export.distill_data import DistillDataConfig, plan_prompts, write_distill_data
-    from specdec.export.source import load_source
-
-    src = load_source(tiny_checkpoint)
-    cfg = DistillDataConfig(n_prompts=24, new_tokens=24, batch=8, seed=0)
-    out = tmp_path_factory.mktemp("distill") / "data"
-    write_distill_data(src.model, src.tokenizer, out, cfg, plan_prompts(cfg, [], set()), "tiny")
-    return out
+def data(tiny_distill_data):
+    return tiny_distill_data
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +32,7 @@ def trained(tiny_checkpoint, data, tmp_path_factory):
 @pytest.fixture(scope="module")
 def eagle_bundle(tiny_checkpoint, trained, tmp_path_factory):
     out = tmp_path_factory.mktemp("bundles") / "eagle"
-    export_bundle(tiny_checkpoint, out, ExportConfig(drafter="eagle", eagle_heads=trained[0], max_len=256))
+    export_bundle(tiny_checkpoint, out, ExportConfig(drafter="eagle", heads=trained[0], max_len=256))
     return out
 
 
@@ -118,7 +111,7 @@ def test_heads_of_another_target_are_refused(tmp_path, trained):
 
     other = make_checkpoint(tmp_path / "other", seed=1)
     with pytest.raises(SpecdecError, match="another target"):
-        export_bundle(other, tmp_path / "b", ExportConfig(drafter="eagle", eagle_heads=trained[0], max_len=256))
+        export_bundle(other, tmp_path / "b", ExportConfig(drafter="eagle", heads=trained[0], max_len=256))
     assert not (tmp_path / "b").exists()
 
 

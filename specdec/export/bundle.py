@@ -25,7 +25,7 @@ from specdec.runtime.manifest import (ATTENTION_BIAS, MANIFEST_NAME, DrafterSpec
                                       read_manifest, sha256_file)
 from specdec.runtime.tokenizer import vocab_digest
 
-DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "layerskip", "eagle", "model:PATH")
+DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "layerskip", "eagle", "medusa", "model:PATH")
 # fp16 is for GPUs (a CPU runs the fp32 graph faster); int8/int4 are weight-only with fp32 activations.
 EXPORT_PRECISIONS = ("fp32", "fp16", *TARGET_PRESETS)
 
@@ -39,14 +39,19 @@ class ExportConfig:
     max_ngram: int = 3
     force: bool = False
     layerskip: LayerSkipConfig = field(default_factory=LayerSkipConfig)  # for drafter "layerskip"
-    eagle_heads: Path | None = None  # for drafter "eagle": a heads file (None: the ones shipped for this target)
+    # Drafters "eagle" / "medusa": a heads file from `specdec train-drafter` (eagle: None = the one shipped for
+    # this target, if any).
+    heads: Path | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in EXPORT_PRECISIONS:
             raise SpecdecError(f"unknown precision {self.precision!r}", f"choose one of {', '.join(EXPORT_PRECISIONS)}")
-        if self.eagle_heads is not None and self.drafter != "eagle":
-            raise SpecdecError("--heads is for --drafter eagle")
-        if self.drafter in ("layerskip", "eagle") and self.precision not in ("fp32", "fp16"):
+        if self.heads is not None and self.drafter not in ("eagle", "medusa"):
+            raise SpecdecError("--heads is for --drafter eagle or medusa")
+        if self.drafter == "medusa" and self.heads is None:
+            raise SpecdecError("--drafter medusa needs --heads FILE",
+                               "train them: `specdec train-drafter --kind medusa --data DATA -o medusa.npz`")
+        if self.drafter in ("layerskip", "eagle", "medusa") and self.precision not in ("fp32", "fp16"):
             raise SpecdecError(f"--drafter {self.drafter} with --precision {self.precision} is not supported yet: its "
                                "graphs share the target's fp32/fp16 weights", "use --precision fp32 or fp16")
         if not (self.drafter in DRAFTERS[:-1] or self.drafter.startswith("model:")):
@@ -113,19 +118,24 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         _check_same_vocab(draft_bundle, draft_manifest, vocab_digest(source.tokenizer.backend_tokenizer))
     weights = weights_from_torch(source.model)
     L = model_cfg.n_layers
-    heads = None
-    if cfg.drafter == "eagle":  # before any graph is written: a head for another target is one clear error
+    heads = medusa = None
+    if cfg.drafter in ("eagle", "medusa"):  # before any graph is written: heads for another target are one error
         from specdec.export.eagle import load_heads, shipped_heads, target_fingerprint
+        from specdec.export.medusa import load_medusa
 
         fingerprint = target_fingerprint(weights)
-        path = cfg.eagle_heads or shipped_heads(fingerprint)
-        if path is None:
-            raise SpecdecError("specdec ships no EAGLE head for this target",
-                               "train one: `specdec distill-data -o DATA` then `specdec train-drafter --kind eagle "
-                               "--data DATA -o heads.npz`, and export with --heads heads.npz")
-        heads = load_heads(path, model_cfg, fingerprint)
-    taps = (L,) if heads is not None else ()  # the residual stream an EAGLE head reads
-    tree = heads is not None  # its drafts may be verified as a token tree (drafter "eagle-tree")
+        if cfg.drafter == "medusa":
+            medusa = load_medusa(cfg.heads, model_cfg, fingerprint)
+        else:
+            path = cfg.heads or shipped_heads(fingerprint)
+            if path is None:
+                raise SpecdecError("specdec ships no EAGLE head for this target",
+                                   "train one: `specdec distill-data -o DATA` then `specdec train-drafter --kind eagle "
+                                   "--data DATA -o heads.npz`, and export with --heads heads.npz")
+            heads = load_heads(path, model_cfg, fingerprint)
+    # The residual stream the heads read, and an attention bias: their drafts may be verified as token trees.
+    tree = heads is not None or medusa is not None
+    taps = (L,) if tree else ()
 
     with staged_folder(out_dir) as partial:
         graphs: dict[str, GraphSpec] = {}
@@ -194,6 +204,14 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             graphs["eagle"], fields_ = write_eagle(partial, model_cfg, weights, heads,
                                                    dtype=np.float16 if cfg.precision == "fp16" else np.float32)
             drafter = DrafterSpec(kind="eagle", graph="eagle", draft_len=cfg.draft_len, **fields_)
+        elif medusa is not None:
+            from specdec.export.medusa import build_medusa_graph
+
+            step(f"writing Medusa heads graph ({medusa.W.shape[0]} heads, {len(medusa.vocab)}-token draft vocabulary)")
+            save_graph(build_medusa_graph(model_cfg, weights, medusa), partial / "medusa.onnx")
+            np.save(partial / "draft_vocab.npy", medusa.vocab)
+            drafter = DrafterSpec(kind="medusa", draft_len=cfg.draft_len, heads="medusa.onnx",
+                                  draft_vocab="draft_vocab.npy", calibration=medusa.meta.get("report", {}))
         elif draft_bundle is not None:
             step(f"copying draft model from {draft_bundle}")
             graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)

@@ -386,8 +386,8 @@ def train_eagle(model_path, data: Path, out: Path, cfg: EagleConfig, step: Calla
         "train_answer_tokens": sum(len(t) - p for t, p, _ in train),
         "held_out_sequences": len(held), "draft_vocab": len(vocab), "config": asdict(cfg),
         "steps": total, "training_s": round(training_s, 1),
-        "first_loss": round(float(np.mean(losses[:20])), 4) if losses else None,
-        "last_loss": round(float(np.mean(losses[-20:])), 4) if losses else None,
+        "first_loss": round(float(np.mean(losses[:max(1, len(losses) // 10)])), 4) if losses else None,
+        "last_loss": round(float(np.mean(losses[-max(1, len(losses) // 10):])), 4) if losses else None,
         "held_out_before": before, "held_out_after": after,
         "vocab_coverage": after["coverage"],
     }

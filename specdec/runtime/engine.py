@@ -22,6 +22,7 @@ from specdec.runtime.drafters.draft_model import ModelDrafter
 from specdec.runtime.drafters.eagle import EagleDrafter, EagleHead
 from specdec.runtime.drafters.hybrid import LOOKUP_MIN_NGRAM, HybridDrafter
 from specdec.runtime.drafters.layerskip import LayerSkipDrafter
+from specdec.runtime.drafters.medusa import MedusaDrafter
 from specdec.runtime.drafters.ngram import NgramDrafter
 from specdec.runtime.kv import KVCache
 from specdec.runtime.manifest import Manifest, read_manifest
@@ -34,7 +35,7 @@ from specdec.runtime.tokenizer import StreamDecoder, TextCodec
 # Longest draft the adaptive policy considers: with acceptance 0.8, an 9th draft token adds
 # 0.8^9 = 0.13 expected tokens while every drafted token costs a draft step.
 AUTO_K_MAX = 8
-# Drafter "eagle-tree": the head's next-best tokens added as leaves at draft depths 1, 2, 3. Where the chain's
+# Drafters "eagle-tree", "medusa-tree": the heads' next-best tokens added as leaves at draft depths 1, 2, 3. Where the chain's
 # token is rejected, the target's choice is often the head's second (or third) guess; every leaf widens the
 # verification step by one token, which costs an fp32 target little (FACTS: T=10 is 1.23x T=5) and more for int4.
 TREE_SIBLINGS = (2, 1, 1)
@@ -136,6 +137,7 @@ class Engine:
         self.target: Decoder | SplitTarget = self._split_target() if m.split_target else self._decoder("target")
         self._drafters: dict[str, Drafter | None] = {}
         self._eagle_head: EagleHead | None = None  # one head graph and cache for every EAGLE drafter
+        self._medusa_heads: ExitHead | None = None
         self.use_drafter(drafter or m.drafter.kind)
         self.cached_ids: list[int] = []  # what the target's KV holds, for prefix reuse across calls
         self.last_stats = SpecStats()
@@ -154,8 +156,9 @@ class Engine:
         return SplitTarget(exit_slice, self._decoder("tail", kv=exit_slice.kv))
 
     def use_drafter(self, kind: str) -> None:
-        """Switch drafter ("none", "ngram", "model", "hybrid", "layerskip", "eagle", "eagle-tree"); each is built once
-        and kept. "eagle-tree" verifies the EAGLE chain plus the head's next-best tokens (TREE_SIBLINGS) as a tree.
+        """Switch drafter ("none", "ngram", "model", "hybrid", "layerskip", "eagle", "eagle-tree", "medusa",
+        "medusa-tree"); each is built once and kept. The "-tree" kinds verify the chain plus the heads' next-best
+        tokens (TREE_SIBLINGS) as one token tree.
         "hybrid" is n-gram lookup where it matches and the bundle's draft model or EAGLE head elsewhere."""
         if kind not in self._drafters:
             self._drafters[kind] = self._make_drafter(kind)
@@ -184,7 +187,7 @@ class Engine:
         if kind in ("eagle", "eagle-tree") or (kind == "hybrid" and m.drafter.kind == "eagle"):
             if m.drafter.kind != "eagle" or not isinstance(self.target, Decoder):
                 raise SpecdecError(f"bundle {self.path} has no EAGLE head", "re-export with --drafter eagle")
-            if kind == "eagle-tree" and not self.target.spec.has_tree_bias:
+            if kind == "eagle-tree" and not self.target.spec.has_tree_bias:  # bundles from before tree verification
                 raise SpecdecError(f"bundle {self.path}'s target graph cannot verify token trees",
                                    "re-export it with this specdec version")
             if self._eagle_head is None:
@@ -194,6 +197,16 @@ class Engine:
             if kind != "hybrid":
                 return eagle
             return HybridDrafter(NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM), eagle)
+        if kind in ("medusa", "medusa-tree") or (kind == "hybrid" and m.drafter.kind == "medusa"):
+            if m.drafter.kind != "medusa" or not isinstance(self.target, Decoder):
+                raise SpecdecError(f"bundle {self.path} has no Medusa heads", "re-export with --drafter medusa")
+            if self._medusa_heads is None:
+                self._medusa_heads = ExitHead(self.path / m.drafter.heads, np.load(self.path / m.drafter.draft_vocab),
+                                              self.runtime)
+            medusa = MedusaDrafter(self.target, self._medusa_heads, siblings=TREE_SIBLINGS if kind == "medusa-tree" else ())
+            if kind != "hybrid":
+                return medusa
+            return HybridDrafter(NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM), medusa)
         if kind in ("model", "hybrid"):
             if m.drafter.graph is None:
                 raise SpecdecError(f"bundle {self.path} has no draft model", "re-export with --drafter self-int8 or model:PATH")
@@ -212,7 +225,8 @@ class Engine:
                 raise SpecdecError(f"bundle {self.path} has no LayerSkip exit", "re-export with --drafter layerskip")
             vocab = np.load(self.path / m.drafter.draft_vocab)
             return LayerSkipDrafter(self.target, ExitHead(self.path / m.drafter.exit_head, vocab, self.runtime))
-        raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram, model, hybrid, layerskip or eagle")
+        raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram, model, hybrid, layerskip, eagle, eagle-tree, "
+                                                        "medusa or medusa-tree")
 
     def _draft_len_policy(self, draft_len: int | str | None) -> DraftLenPolicy | None:
         if draft_len is None:

@@ -22,7 +22,7 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 # Precisions whose graphs need a GPU to be worth running: the CPU provider has fp16 kernels, but they are
 # slower than fp32 there (FACTS: 100 vs 44 us for one attention node) and less exact.
 GPU_PRECISIONS = ("fp16",)
-DRAFTER_KINDS = ("none", "ngram", "model", "layerskip", "eagle")
+DRAFTER_KINDS = ("none", "ngram", "model", "layerskip", "eagle", "medusa")
 FEATURES = "features"  # an EAGLE head graph's input: the residual stream it drafts from
 ATTENTION_BIAS = "attention_bias"  # a tree-verifying graph's input: additive attention mask [B,1,T,P+T]
 
@@ -144,7 +144,8 @@ class DrafterSpec:
     exit_layer: int = 0
     exit_head: str | None = None
     draft_vocab: str | None = None
-    calibration: dict[str, Any] = field(default_factory=dict)  # export-time curve and adapter figures
+    calibration: dict[str, Any] = field(default_factory=dict)  # export-time curve / training report figures
+    heads: str | None = None  # kind == "medusa": the ONNX file mapping the target's last state to [K, N] logits
 
     def __post_init__(self) -> None:
         _require(self.kind in DRAFTER_KINDS, f"drafter.kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
@@ -155,8 +156,10 @@ class DrafterSpec:
         layerskip = self.kind == "layerskip"
         _require(layerskip == (self.exit_layer > 0) == (self.exit_head is not None),
                  "drafter.exit_layer and exit_head are required for kind 'layerskip' and only for it")
-        _require((self.draft_vocab is not None) == (self.kind in ("layerskip", "eagle")),
-                 "drafter.draft_vocab is required for kinds 'layerskip' and 'eagle' and only for them")
+        _require((self.draft_vocab is not None) == (self.kind in ("layerskip", "eagle", "medusa")),
+                 "drafter.draft_vocab is required for kinds 'layerskip', 'eagle' and 'medusa' and only for them")
+        _require((self.heads is not None) == (self.kind == "medusa"),
+                 "drafter.heads is required for kind 'medusa' and only for it")
 
 
 @dataclass(frozen=True)
@@ -191,15 +194,18 @@ class Manifest:
                      f"graph 'tail' must run layers [{E}, {L}) and the LM head")
             for f in (self.drafter.exit_head, self.drafter.draft_vocab):
                 _require(f in self.files, f"drafter file {f} is not listed in files")
-        if self.drafter.kind == "eagle":
-            L, head = self.model.n_layers, self.graphs[self.drafter.graph]
+        if self.drafter.kind in ("eagle", "medusa"):
+            L = self.model.n_layers
             _require(L in self.graphs["target"].hidden_layers,
-                     f"an eagle bundle's target graph must output hidden.{L} (the residual stream the head reads)")
+                     f"an {self.drafter.kind} bundle's target graph must output hidden.{L} (the residual stream its heads read)")
+            for f in (self.drafter.draft_vocab, self.drafter.heads):
+                _require(f is None or f in self.files, f"drafter file {f} is not listed in files")
+        if self.drafter.kind == "eagle":
+            head = self.graphs[self.drafter.graph]
             _require(head.has_features,
                      f"graph {self.drafter.graph!r} is not an EAGLE head (no 'features' input)")
             _require(head.model.hidden_size == self.model.hidden_size,
                      f"the EAGLE head's hidden size {head.model.hidden_size} differs from the target's {self.model.hidden_size}")
-            _require(self.drafter.draft_vocab in self.files, f"drafter file {self.drafter.draft_vocab} is not listed in files")
         _require(self.tokenizer.file in self.files, f"tokenizer file {self.tokenizer.file} is not listed in files")
         _require(0 < self.default_max_len <= self.model.max_position,
                  f"default_max_len must be in (0, {self.model.max_position}], got {self.default_max_len}")

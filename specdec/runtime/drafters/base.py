@@ -49,6 +49,25 @@ class Draft:
         return int(tree_depths(self.parents).max(initial=0))
 
 
+def chain_with_leaves(chain: np.ndarray, leaves: list[tuple[int, int]], room: int) -> Draft:
+    """A tree draft: the chain, and beside its token at each depth that depth's leaves (token, depth index), hung
+    under the previous chain token; parents before children. Nodes past `room` (the cache's free slots) are left
+    out."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    above = -1  # the previous chain node (-1: the root)
+    for depth, t in enumerate(chain):
+        if len(tokens) >= room:
+            break
+        here = len(tokens)
+        for token in [int(t)] + [tok for tok, d in leaves if d == depth]:
+            if len(tokens) < room:
+                tokens.append(token)
+                parents.append(above)
+        above = here
+    return Draft(tokens=np.asarray(tokens, dtype=np.int64), parents=np.asarray(parents, dtype=np.int64))
+
+
 @runtime_checkable
 class Drafter(Protocol):
     def begin(self, prompt_ids: Sequence[int], sampling: SamplingConfig, rng: np.random.Generator) -> None:

@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from specdec.runtime.decoder import MAX_STEP, Decoder
-from specdec.runtime.drafters.base import Draft
+from specdec.runtime.drafters.base import Draft, chain_with_leaves
 from specdec.runtime.drafters.draft_model import CONFIDENCE_STOP, draft_confidence
 from specdec.runtime.sampling import SamplingConfig, probs_from_logits, sample
 
@@ -119,26 +119,8 @@ class EagleDrafter:
         finally:
             kv.truncate(n_target)  # entries made from predicted features go; the real ones stay
         if tree:
-            return self._tree(tokens[:n], leaves, self.target.kv.max_len - n_target - 1)
+            return chain_with_leaves(tokens[:n], leaves, self.target.kv.max_len - n_target - 1)
         return Draft(tokens=tokens[:n], p_draft=None if p_draft is None else p_draft[:n])
-
-    @staticmethod
-    def _tree(chain: np.ndarray, leaves: list[tuple[int, int]], room: int) -> Draft:
-        """The chain with each depth's leaves hung beside its token (under the previous chain token), parents
-        before children; nodes past the cache's room are left out."""
-        tokens: list[int] = []
-        parents: list[int] = []
-        above = -1  # the previous chain node (-1: the root)
-        for depth, t in enumerate(chain):
-            if len(tokens) >= room:
-                break
-            here = len(tokens)
-            for token in [int(t)] + [tok for tok, d in leaves if d == depth]:
-                if len(tokens) < room:
-                    tokens.append(token)
-                    parents.append(above)
-            above = here
-        return Draft(tokens=np.asarray(tokens, dtype=np.int64), parents=np.asarray(parents, dtype=np.int64))
 
     def accept(self, n_accepted: int, next_token: int) -> None:
         pass  # the target kept the accepted positions' features; the next propose reads them
