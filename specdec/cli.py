@@ -89,8 +89,11 @@ def main() -> None:
 @click.option("--heads", type=click.Path(path_type=Path), default=None,
               help="eagle / medusa: a heads file from `specdec train-drafter --kind eagle|medusa` (eagle's default: the "
                    "one shipped for this target).")
+@click.option("--heads-precision", type=click.Choice(["fp32", "int8"]), default="fp32", show_default=True,
+              help="eagle / medusa: weights of the heads' graph (int8: smaller and faster drafts; output unchanged).")
 @friendly
-def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_layer, exit_adapter, calib_prompts, heads):
+def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_layer, exit_adapter, calib_prompts, heads,
+           heads_precision):
     """Export MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct) into a bundle."""
     from specdec.export.bundle import ExportConfig, export_bundle
     from specdec.export.layerskip import LayerSkipConfig
@@ -100,7 +103,7 @@ def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_l
     layerskip = LayerSkipConfig(exit_layer=None if exit_layer == "auto" else int(exit_layer), adapter=exit_adapter,
                                 prompts=calib_prompts)
     cfg = ExportConfig(drafter=drafter, precision=precision, max_len=max_len, draft_len=draft_len, force=force,
-                       layerskip=layerskip, heads=heads)
+                       layerskip=layerskip, heads=heads, heads_precision=heads_precision)
     t0 = time.perf_counter()
     with _stage_progress() as step:
         manifest = export_bundle(model, out_dir, cfg, step=step)

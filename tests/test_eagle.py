@@ -264,3 +264,12 @@ def test_tree_drafts_are_trees_and_sampling_falls_back_to_chains(eagle_bundle):
     eng.generate("the quick brown fox", GenerationConfig(max_new_tokens=24, draft_len=3, seed=1,
                                                          sampling=SamplingConfig(temperature=0.7)))
     assert drafts and all(d.parents is None for d in drafts)
+
+
+def test_int8_heads_graph_drafts_losslessly(tiny_checkpoint, trained, tmp_path):
+    out = tmp_path / "eagle-int8"
+    export_bundle(tiny_checkpoint, out, ExportConfig(drafter="eagle", heads=trained[0], max_len=256, heads_precision="int8"))
+    eng = specdec.load(out, drafter="eagle-tree")
+    assert eng.manifest.graphs["eagle"].precision == "int8"
+    plain = eng.generate("the quick brown fox", GenerationConfig(max_new_tokens=40, draft_len=0))
+    assert eng.generate("the quick brown fox", GenerationConfig(max_new_tokens=40, draft_len=3)).token_ids == plain.token_ids

@@ -82,3 +82,24 @@ def test_int4_reencodes_the_gguf_weights(real_bundle, tmp_path_factory):
     a, b = teacher_forced_logits(fp32.target, ids), teacher_forced_logits(int4.target, ids)
     assert np.abs(a - b).max() < 5e-3
     assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_shipped_eagle_head_drafts_losslessly_on_the_real_model(real_bundle, tmp_path_factory):
+    """`export --drafter eagle` without --heads picks the head shipped for the default model; chain and tree
+    drafting give plain greedy's tokens, and the head is accepted well above chance."""
+    from specdec.export.bundle import ExportConfig, export_bundle
+
+    out = tmp_path_factory.mktemp("real") / "smollm2-eagle"
+    export_bundle(None, out, ExportConfig(drafter="eagle", max_len=1024))
+    eagle = specdec.load(out)
+    assert eagle.manifest.drafter.kind == "eagle" and eagle.manifest.graphs["target"].has_tree_bias
+    plain = specdec.load(real_bundle, drafter="none")
+    for drafter in ("eagle", "eagle-tree"):
+        eagle.use_drafter(drafter)
+        accepted = drafted = 0
+        for prompt in PROMPTS:
+            want = plain.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=0)).token_ids
+            got = eagle.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=4))
+            assert got.token_ids == want, (drafter, prompt)
+            accepted, drafted = accepted + got.stats.accepted, drafted + got.stats.drafted
+        assert accepted / drafted > 0.3, drafter

@@ -42,10 +42,15 @@ class ExportConfig:
     # Drafters "eagle" / "medusa": a heads file from `specdec train-drafter` (eagle: None = the one shipped for
     # this target, if any).
     heads: Path | None = None
+    # Weights of the eagle / medusa heads' graph: fp32, or int8 (weight-only, int8-activation kernels: a draft's
+    # numerics never change the output, only how often it is accepted, and the head is read every draft step).
+    heads_precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.precision not in EXPORT_PRECISIONS:
             raise SpecdecError(f"unknown precision {self.precision!r}", f"choose one of {', '.join(EXPORT_PRECISIONS)}")
+        if self.heads_precision not in ("fp32", "int8"):
+            raise SpecdecError(f"unknown heads precision {self.heads_precision!r}", "choose fp32 or int8")
         if self.heads is not None and self.drafter not in ("eagle", "medusa"):
             raise SpecdecError("--heads is for --drafter eagle or medusa")
         if self.drafter == "medusa" and self.heads is None:
@@ -202,13 +207,17 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
 
             step(f"writing EAGLE head graph ({len(heads.vocab)}-token draft vocabulary)")
             graphs["eagle"], fields_ = write_eagle(partial, model_cfg, weights, heads,
-                                                   dtype=np.float16 if cfg.precision == "fp16" else np.float32)
+                                                   dtype=np.float16 if cfg.precision == "fp16" else np.float32,
+                                                   int8=cfg.heads_precision == "int8")
             drafter = DrafterSpec(kind="eagle", graph="eagle", draft_len=cfg.draft_len, **fields_)
         elif medusa is not None:
             from specdec.export.medusa import build_medusa_graph
 
             step(f"writing Medusa heads graph ({medusa.W.shape[0]} heads, {len(medusa.vocab)}-token draft vocabulary)")
-            save_graph(build_medusa_graph(model_cfg, weights, medusa), partial / "medusa.onnx")
+            graph = build_medusa_graph(model_cfg, weights, medusa)
+            if cfg.heads_precision == "int8":
+                graph = quantize_weights(graph, SELF_DRAFT_PRESETS["self-int8"])
+            save_graph(graph, partial / "medusa.onnx")
             np.save(partial / "draft_vocab.npy", medusa.vocab)
             drafter = DrafterSpec(kind="medusa", draft_len=cfg.draft_len, heads="medusa.onnx",
                                   draft_vocab="draft_vocab.npy", calibration=medusa.meta.get("report", {}))

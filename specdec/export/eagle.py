@@ -509,9 +509,11 @@ def head_model_config(model_cfg: ModelConfig, n_vocab: int) -> ModelConfig:
     return replace(model_cfg, n_layers=1, vocab_size=n_vocab)
 
 
-def write_eagle(partial: Path, model_cfg: ModelConfig, w: DecoderWeights, heads: EagleHeads, dtype=np.float32):
-    """Write eagle.onnx (embedding and rotary tables pointing into target.onnx's weight file) and draft_vocab.npy.
-    Returns (GraphSpec, DrafterSpec fields)."""
+def write_eagle(partial: Path, model_cfg: ModelConfig, w: DecoderWeights, heads: EagleHeads, dtype=np.float32,
+                int8: bool = False):
+    """Write eagle.onnx (embedding and rotary tables pointing into target.onnx's weight file) and draft_vocab.npy;
+    `int8` quantizes the head's matmuls (weight-only, int8-activation kernels). Returns (GraphSpec, DrafterSpec
+    fields)."""
     from dataclasses import replace
 
     from specdec.export.graph import (CONTROL_INPUTS, FEATURES, build_decoder_graph, kv_input_names, kv_output_names,
@@ -521,10 +523,16 @@ def write_eagle(partial: Path, model_cfg: ModelConfig, w: DecoderWeights, heads:
     cfg = head_model_config(model_cfg, len(heads.vocab))
     hw = replace(w, layers=[heads.layer])
     graph = build_decoder_graph(cfg, hw, hidden_layers=(1,), dtype=dtype, features=heads.entry, head_vocab=heads.vocab)
+    quant = {}
+    if int8:
+        from specdec.quant.weight_only import SELF_DRAFT_PRESETS, quantize_weights
+
+        graph = quantize_weights(graph, SELF_DRAFT_PRESETS["self-int8"])
+        quant = SELF_DRAFT_PRESETS["self-int8"].to_dict()
     save_graph_sharing(graph, partial / "eagle.onnx", partial / "target.onnx")
     np.save(partial / "draft_vocab.npy", heads.vocab)
-    precision = "fp16" if np.dtype(dtype) == np.float16 else "fp32"
-    spec = GraphSpec(file="eagle.onnx", model=cfg, precision=precision, n_layers=1,
+    precision = "int8" if int8 else "fp16" if np.dtype(dtype) == np.float16 else "fp32"
+    spec = GraphSpec(file="eagle.onnx", model=cfg, precision=precision, n_layers=1, quant=quant,
                      inputs=CONTROL_INPUTS + (FEATURES,) + tuple(kv_input_names(1)),
                      outputs=("logits", *kv_output_names(1), "hidden.1"), hidden_layers=(1,))
     return spec, {"draft_vocab": "draft_vocab.npy", "calibration": heads.meta.get("report", {})}
