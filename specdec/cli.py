@@ -178,15 +178,17 @@ def _print_layerskip_calibration(spec) -> None:
 @click.option("--new-tokens", default=128, show_default=True, help="draft-model: answer tokens per prompt.")
 @click.option("--epochs", default=2, show_default=True, help="Passes over the answers.")
 @click.option("--unroll", default=3, show_default=True, help="eagle: drafting steps trained per position.")
-@click.option("--max-tokens", type=int, default=None, help="eagle: use at most this many tokens of the data.")
+@click.option("--max-tokens", type=int, default=None, help="eagle/medusa: use at most this many tokens of the data.")
+@click.option("--init-heads", type=click.Path(path_type=Path), default=None,
+              help="eagle: continue training from this heads file (more epochs on the same or new data).")
 @click.option("--force", is_flag=True, help="draft-model: replace an existing output folder.")
 @friendly
 def train_drafter(model, out_path, kind, medusa_heads, data, layers, intermediate_size, prompts, new_tokens, epochs,
-                  unroll, max_tokens, force):
+                  unroll, max_tokens, init_heads, force):
     """Train a drafter for MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct)."""
     t0 = time.perf_counter()
     if kind in ("eagle", "medusa"):
-        _train_heads(model, kind, out_path, data, epochs, unroll, medusa_heads, max_tokens)
+        _train_heads(model, kind, out_path, data, epochs, unroll, medusa_heads, max_tokens, init_heads)
         return
     from specdec.export.distill import REPORT_NAME, DistillConfig, train_draft_model
 
@@ -207,7 +209,7 @@ def train_drafter(model, out_path, kind, medusa_heads, data, layers, intermediat
 
 
 def _train_heads(model, kind: str, out_path: Path, data: Path | None, epochs: int, unroll: int, n_heads: int,
-                 max_tokens: int | None) -> None:
+                 max_tokens: int | None, init: Path | None) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     if data is None:
@@ -229,7 +231,7 @@ def _train_heads(model, kind: str, out_path: Path, data: Path | None, epochs: in
             from specdec.export.eagle import EagleConfig, train_eagle
 
             r = train_eagle(model, data, out_path, EagleConfig(epochs=epochs, unroll=unroll, max_tokens=max_tokens),
-                            step=step, progress=on_step)
+                            step=step, progress=on_step, init=init)
             before, after = r["held_out_before"]["agreement_by_step"], r["held_out_after"]["agreement_by_step"]
             extra = (f"; draft vocabulary covers {r['vocab_coverage']:.1%}; expected tokens per verification at k=4: "
                      f"{r['held_out_after']['expected_tau_k4']}")

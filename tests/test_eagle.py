@@ -273,3 +273,14 @@ def test_int8_heads_graph_drafts_losslessly(tiny_checkpoint, trained, tmp_path):
     assert eng.manifest.graphs["eagle"].precision == "int8"
     plain = eng.generate("the quick brown fox", GenerationConfig(max_new_tokens=40, draft_len=0))
     assert eng.generate("the quick brown fox", GenerationConfig(max_new_tokens=40, draft_len=3)).token_ids == plain.token_ids
+
+
+def test_training_continues_from_a_heads_file(tiny_checkpoint, data, trained, tmp_path):
+    out = tmp_path / "more.npz"
+    report = train_eagle(tiny_checkpoint, data, out, EagleConfig(epochs=1, batch_tokens=512, unroll=3, draft_vocab=200),
+                         init=trained[0])
+    assert report["continued_from"]["steps"] == trained[1]["steps"]
+    with np.load(out) as a, np.load(trained[0]) as b:
+        assert (a["vocab"] == b["vocab"]).all()  # the head keeps the draft vocabulary it was trained with
+    # It starts where the first training ended, not from scratch.
+    assert report["first_loss"] < trained[1]["first_loss"]

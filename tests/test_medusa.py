@@ -71,8 +71,9 @@ def test_sampled_medusa_runs_repeat_under_a_seed(bundle):
 def test_medusa_export_needs_heads_of_this_target(tiny_checkpoint, trained, tmp_path):
     from conftest import make_checkpoint
 
-    with pytest.raises(SpecdecError, match="needs --heads"):
-        ExportConfig(drafter="medusa")
+    with pytest.raises(SpecdecError, match="ships no Medusa heads") as e:
+        export_bundle(tiny_checkpoint, tmp_path / "b", ExportConfig(drafter="medusa", max_len=256))
+    assert "train-drafter --kind medusa" in e.value.hint
     other = make_checkpoint(tmp_path / "other", seed=3)
     with pytest.raises(SpecdecError, match="another target"):
         export_bundle(other, tmp_path / "b", ExportConfig(drafter="medusa", heads=trained[0], max_len=256))
@@ -91,4 +92,4 @@ def test_cli_trains_and_exports_medusa_heads(tiny_checkpoint, tiny_distill_data,
     assert f"--drafter medusa --heads {heads}" in r.stdout
     r = CliRunner().invoke(main, ["export", str(tiny_checkpoint), "-o", str(tmp_path / "b"), "--drafter", "medusa",
                                   "--max-len", "256"])
-    assert r.exit_code != 0 and "needs --heads" in r.stderr and "Traceback" not in r.output
+    assert r.exit_code != 0 and "ships no Medusa heads" in r.stderr and "Traceback" not in r.output

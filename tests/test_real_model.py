@@ -102,4 +102,22 @@ def test_shipped_eagle_head_drafts_losslessly_on_the_real_model(real_bundle, tmp
             got = eagle.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=4))
             assert got.token_ids == want, (drafter, prompt)
             accepted, drafted = accepted + got.stats.accepted, drafted + got.stats.drafted
-        assert accepted / drafted > 0.3, drafter
+        assert accepted / drafted > 0.1, drafter  # Spec-Bench: 0.17 (chain), 0.30 (tree)
+
+
+def test_shipped_medusa_heads_draft_losslessly_on_the_real_model(real_bundle, tmp_path_factory):
+    from specdec.export.bundle import ExportConfig, export_bundle
+
+    out = tmp_path_factory.mktemp("real") / "smollm2-medusa"
+    export_bundle(None, out, ExportConfig(drafter="medusa", max_len=1024))
+    medusa = specdec.load(out)
+    plain = specdec.load(real_bundle, drafter="none")
+    for drafter in ("medusa", "medusa-tree"):
+        medusa.use_drafter(drafter)
+        accepted = 0
+        for prompt in PROMPTS:
+            want = plain.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=0)).token_ids
+            got = medusa.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=3))
+            assert got.token_ids == want, (drafter, prompt)
+            accepted += got.stats.accepted
+        assert accepted > 0, drafter

@@ -53,9 +53,6 @@ class ExportConfig:
             raise SpecdecError(f"unknown heads precision {self.heads_precision!r}", "choose fp32 or int8")
         if self.heads is not None and self.drafter not in ("eagle", "medusa"):
             raise SpecdecError("--heads is for --drafter eagle or medusa")
-        if self.drafter == "medusa" and self.heads is None:
-            raise SpecdecError("--drafter medusa needs --heads FILE",
-                               "train them: `specdec train-drafter --kind medusa --data DATA -o medusa.npz`")
         if self.drafter in ("layerskip", "eagle", "medusa") and self.precision not in ("fp32", "fp16"):
             raise SpecdecError(f"--drafter {self.drafter} with --precision {self.precision} is not supported yet: its "
                                "graphs share the target's fp32/fp16 weights", "use --precision fp32 or fp16")
@@ -125,18 +122,20 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
     L = model_cfg.n_layers
     heads = medusa = None
     if cfg.drafter in ("eagle", "medusa"):  # before any graph is written: heads for another target are one error
-        from specdec.export.eagle import load_heads, shipped_heads, target_fingerprint
-        from specdec.export.medusa import load_medusa
+        from specdec.export.eagle import HEADS_FORMAT, load_heads, shipped_heads, target_fingerprint
+        from specdec.export.medusa import HEADS_FORMAT as MEDUSA_FORMAT, load_medusa
 
         fingerprint = target_fingerprint(weights)
-        if cfg.drafter == "medusa":
-            medusa = load_medusa(cfg.heads, model_cfg, fingerprint)
+        medusa_kind = cfg.drafter == "medusa"
+        path = cfg.heads or shipped_heads(fingerprint, MEDUSA_FORMAT if medusa_kind else HEADS_FORMAT)
+        if path is None:
+            name = "Medusa heads" if medusa_kind else "EAGLE head"
+            raise SpecdecError(f"specdec ships no {name} for this target",
+                               f"train one: `specdec distill-data -o DATA` then `specdec train-drafter --kind "
+                               f"{cfg.drafter} --data DATA -o heads.npz`, and export with --heads heads.npz")
+        if medusa_kind:
+            medusa = load_medusa(path, model_cfg, fingerprint)
         else:
-            path = cfg.heads or shipped_heads(fingerprint)
-            if path is None:
-                raise SpecdecError("specdec ships no EAGLE head for this target",
-                                   "train one: `specdec distill-data -o DATA` then `specdec train-drafter --kind eagle "
-                                   "--data DATA -o heads.npz`, and export with --heads heads.npz")
             heads = load_heads(path, model_cfg, fingerprint)
     # The residual stream the heads read, and an attention bias: their drafts may be verified as token trees.
     tree = heads is not None or medusa is not None

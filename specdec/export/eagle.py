@@ -52,7 +52,7 @@ class EagleConfig:
     unroll: int = 3  # drafting steps trained per position (1 = one step ahead only)
     epochs: int = 2
     lr: float = 1e-3  # peak AdamW learning rate (warm-up then cosine decay)
-    batch_tokens: int = 4096  # padded positions per optimizer step
+    batch_tokens: int = 2048  # padded positions per optimizer step (~130 steps per 270k-token epoch)
     max_seq: int = 320  # longer sequences are cut (attention cost grows with the square)
     max_tokens: int | None = None  # use at most this many tokens of the data (None: all)
     draft_vocab: int = DRAFT_VOCAB
@@ -302,8 +302,9 @@ def _step_losses(head, rms, tokens, feats, scored, steps: int):
 
 
 def train_eagle(model_path, data: Path, out: Path, cfg: EagleConfig, step: Callable[[str], object] | None = None,
-                progress: Callable[[int, int, float], object] | None = None) -> dict:
+                progress: Callable[[int, int, float], object] | None = None, init: Path | None = None) -> dict:
     """Train a head for the target at `model_path` on the distill-data folder `data`; write the heads file `out`.
+    `init`: a heads file of this target to continue from (its draft vocabulary is kept).
 
     Resumable: a checkpoint beside `out` (`out`.ckpt) is written every CHECKPOINT_EVERY_S seconds and picked up
     by the same command. `progress(done_steps, total_steps, loss)` after each optimizer step.
@@ -329,7 +330,13 @@ def train_eagle(model_path, data: Path, out: Path, cfg: EagleConfig, step: Calla
     special = [int(t) for t in source.tokenizer.all_special_ids if t is not None]
     vocab = draft_vocab(train, cfg.draft_vocab, model_cfg.vocab_size, special)
     torch.manual_seed(cfg.seed)
-    head, rms = _module(model_cfg, w, vocab)
+    if init is not None:
+        start = load_heads(init, model_cfg, fingerprint)
+        head, rms = module_from_heads(model_cfg, w, start)
+        head.train()
+        vocab = start.vocab
+    else:
+        head, rms = _module(model_cfg, w, vocab)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     lengths = [len(s[0]) for s in train]
     per_epoch = len(_batches(lengths, cfg.batch_tokens, np.random.default_rng(0)))
@@ -340,7 +347,8 @@ def train_eagle(model_path, data: Path, out: Path, cfg: EagleConfig, step: Calla
         return cfg.lr * min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i / total, 1.0)))
 
     ckpt = out.with_name(out.name + ".ckpt")
-    settings = {"config": asdict(cfg), "fingerprint": fingerprint, "data": _data_digest(data)}
+    settings = {"config": asdict(cfg), "fingerprint": fingerprint, "data": _data_digest(data),
+                "init": None if init is None else hashlib.sha256(Path(init).read_bytes()).hexdigest()[:16]}
     done, losses = 0, []
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)
@@ -383,6 +391,7 @@ def train_eagle(model_path, data: Path, out: Path, cfg: EagleConfig, step: Calla
     report = {
         "kind": "eagle", "target": str(source.path), "target_fingerprint": fingerprint, "data": str(data),
         "sequences": len(seqs), "train_tokens": sum(lengths),
+        "continued_from": None if init is None else start.meta.get("report"),
         "train_answer_tokens": sum(len(t) - p for t, p, _ in train),
         "held_out_sequences": len(held), "draft_vocab": len(vocab), "config": asdict(cfg),
         "steps": total, "training_s": round(training_s, 1),
@@ -489,15 +498,15 @@ def load_heads(path: Path, model_cfg: ModelConfig, fingerprint: str) -> EagleHea
                       a["vocab"].astype(np.int64), meta, path)
 
 
-def shipped_heads(fingerprint: str) -> Path | None:
-    """The heads shipped with specdec for the target of this fingerprint, if any."""
+def shipped_heads(fingerprint: str, fmt: str = HEADS_FORMAT) -> Path | None:
+    """The heads file (of format `fmt`: EAGLE's or Medusa's) shipped with specdec for this target, if any."""
     for path in sorted(SHIPPED_HEADS.glob("*.npz")):
         try:
             with np.load(path) as d:
                 meta = json.loads(d["meta"].tobytes().decode())
         except (OSError, ValueError, KeyError):
             continue
-        if meta.get("target_fingerprint") == fingerprint:
+        if meta.get("target_fingerprint") == fingerprint and meta.get("format") == fmt:
             return path
     return None
 
