@@ -119,6 +119,27 @@ def draft_vocab(seqs, size: int, vocab_size: int, special: list[int]) -> np.ndar
     return np.sort(np.asarray(chosen[:min(size, vocab_size)], dtype=np.int64))
 
 
+def training_setup(model_path, data: Path, max_seq: int, max_tokens: int | None, n_vocab: int, seed: int,
+                   step: Callable[[str], object]):
+    """What every head's training starts from: the target (source, config, weights, fingerprint), the data's
+    sequences split into held-out and training ones (by seed), and the draft vocabulary from the training ones."""
+    from specdec.export.graph import model_config_from_hf, weights_from_torch
+    from specdec.export.source import load_source
+
+    step("loading target")
+    source = load_source(model_path)
+    model_cfg = model_config_from_hf(source.hf_config)
+    w = weights_from_torch(source.model)
+    step("reading distillation data")
+    seqs = load_sequences(data, model_cfg.hidden_size, model_cfg.vocab_size, max_seq, max_tokens)
+    order = np.random.default_rng(seed).permutation(len(seqs))
+    n_held = max(1, round(HELD_OUT_FRACTION * len(seqs)))
+    held, train = [seqs[i] for i in order[:n_held]], [seqs[i] for i in order[n_held:]]
+    special = [int(t) for t in source.tokenizer.all_special_ids if t is not None]
+    vocab = draft_vocab(train, n_vocab, model_cfg.vocab_size, special)
+    return source, model_cfg, w, target_fingerprint(w), seqs, held, train, vocab
+
+
 # ----------------------------------------------------------------------------------------------- model
 
 def module_from_heads(cfg: ModelConfig, w: DecoderWeights, heads: "EagleHeads"):
@@ -311,24 +332,10 @@ def train_eagle(model_path, data: Path, out: Path, cfg: EagleConfig, step: Calla
     """
     import torch
 
-    from specdec.export.graph import model_config_from_hf, weights_from_torch
-    from specdec.export.source import load_source
-
     step = step or (lambda _desc: None)
     out = Path(out)
-    step("loading target")
-    source = load_source(model_path)
-    model_cfg = model_config_from_hf(source.hf_config)
-    w = weights_from_torch(source.model)
-    fingerprint = target_fingerprint(w)
-    step("reading distillation data")
-    seqs = load_sequences(data, model_cfg.hidden_size, model_cfg.vocab_size, cfg.max_seq, cfg.max_tokens)
-    rng = np.random.default_rng(cfg.seed)
-    order = rng.permutation(len(seqs))
-    n_held = max(1, round(HELD_OUT_FRACTION * len(seqs)))
-    held, train = [seqs[i] for i in order[:n_held]], [seqs[i] for i in order[n_held:]]
-    special = [int(t) for t in source.tokenizer.all_special_ids if t is not None]
-    vocab = draft_vocab(train, cfg.draft_vocab, model_cfg.vocab_size, special)
+    source, model_cfg, w, fingerprint, seqs, held, train, vocab = training_setup(
+        model_path, data, cfg.max_seq, cfg.max_tokens, cfg.draft_vocab, cfg.seed, step)
     torch.manual_seed(cfg.seed)
     if init is not None:
         start = load_heads(init, model_cfg, fingerprint)

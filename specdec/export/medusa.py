@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specdec.errors import SpecdecError
-from specdec.export.eagle import DRAFT_VOCAB, HELD_OUT_FRACTION, draft_vocab, load_sequences, target_fingerprint
+from specdec.export.eagle import DRAFT_VOCAB, training_setup
 from specdec.export.graph import MS, OPSET, DecoderWeights
 from specdec.runtime.manifest import ModelConfig
 
@@ -68,23 +68,9 @@ def train_medusa(model_path, data: Path, out: Path, cfg: MedusaConfig, step: Cal
                  progress: Callable[[int, int, float], object] | None = None) -> dict:
     import torch
 
-    from specdec.export.graph import model_config_from_hf, weights_from_torch
-    from specdec.export.source import load_source
-
     step = step or (lambda _desc: None)
-    step("loading target")
-    source = load_source(model_path)
-    model_cfg = model_config_from_hf(source.hf_config)
-    w = weights_from_torch(source.model)
-    fingerprint = target_fingerprint(w)
-    step("reading distillation data")
-    seqs = load_sequences(data, model_cfg.hidden_size, model_cfg.vocab_size, cfg.max_seq, cfg.max_tokens)
-    rng = np.random.default_rng(cfg.seed)
-    order = rng.permutation(len(seqs))
-    n_held = max(1, round(HELD_OUT_FRACTION * len(seqs)))
-    held, train = [seqs[i] for i in order[:n_held]], [seqs[i] for i in order[n_held:]]
-    special = [int(t) for t in source.tokenizer.all_special_ids if t is not None]
-    vocab = draft_vocab(train, cfg.draft_vocab, model_cfg.vocab_size, special)
+    source, model_cfg, w, fingerprint, _, held, train, vocab = training_setup(
+        model_path, data, cfg.max_seq, cfg.max_tokens, cfg.draft_vocab, cfg.seed, step)
     D, K, eps = model_cfg.hidden_size, cfg.n_heads, float(model_cfg.rms_eps)
     full = w.embed.T if w.lm_head is None else w.lm_head
     head = torch.tensor(np.ascontiguousarray(full[:, vocab]), dtype=torch.float32)  # [D, N]
