@@ -89,7 +89,7 @@ def main() -> None:
 @click.option("--heads", type=click.Path(path_type=Path), default=None,
               help="eagle / medusa: a heads file from `specdec train-drafter --kind eagle|medusa` (eagle's default: the "
                    "one shipped for this target).")
-@click.option("--heads-precision", type=click.Choice(["fp32", "int8"]), default="fp32", show_default=True,
+@click.option("--heads-precision", type=click.Choice(["fp32", "int8"]), default="int8", show_default=True,
               help="eagle / medusa: weights of the heads' graph (int8: smaller and faster drafts; output unchanged).")
 @friendly
 def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_layer, exit_adapter, calib_prompts, heads,
