@@ -111,20 +111,18 @@ def test_bad_layerskip_requests(ckpt, tmp_path, tiny_bundle):
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
     with pytest.raises(SpecdecError, match="exit-layer must be >= 1"):
         LayerSkipConfig(exit_layer=0)
-    with pytest.raises(SpecdecError, match="not supported yet"):
-        ExportConfig(drafter="layerskip", precision="int4")
     with pytest.raises(SpecdecError, match="no LayerSkip exit"):
         Engine(tiny_bundle, drafter="layerskip")
 
 
-def test_quantizing_a_layerskip_bundle_is_refused(bundles, tmp_path):
-    """Its exit and tail graphs read the target's weight file by offset: replacing that file would break them."""
+def test_quantizing_a_layerskip_bundle_quantizes_its_split_alike(bundles, tmp_path):
+    """The exit and tail slices are quantized as the target is and point into the new target's weight file
+    (tests/test_drafter_precisions.py checks sharing and lossless drafting at every precision)."""
     from specdec.quant.bundle import quantize_bundle
 
-    for precision in ("int4", "fp16"):
-        with pytest.raises(SpecdecError, match="layerskip bundle"):
-            quantize_bundle(bundles / "ls", tmp_path / precision, precision)
-        assert not (tmp_path / precision).exists()
+    m = json.loads((quantize_bundle(bundles / "ls", tmp_path / "q", "int4") / "specdec.json").read_text())
+    assert {m["graphs"][g]["precision"] for g in ("target", "exit", "tail")} == {"int4"}
+    assert m["graphs"]["tail"]["checks"]["max_abs_logit_diff_vs_target_graph"] < 1e-2
 
 
 def test_adapter_learns_a_transform_of_the_residual_stream():

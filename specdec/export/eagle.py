@@ -549,6 +549,7 @@ def write_eagle(partial: Path, model_cfg: ModelConfig, w: DecoderWeights, heads:
     np.save(partial / "draft_vocab.npy", heads.vocab)
     precision = "int8" if int8 else "fp16" if np.dtype(dtype) == np.float16 else "fp32"
     spec = GraphSpec(file="eagle.onnx", model=cfg, precision=precision, n_layers=1, quant=quant,
+                     activations="fp16" if np.dtype(dtype) == np.float16 else None,
                      inputs=CONTROL_INPUTS + (FEATURES,) + tuple(kv_input_names(1)),
                      outputs=("logits", *kv_output_names(1), "hidden.1"), hidden_layers=(1,))
     return spec, {"draft_vocab": "draft_vocab.npy", "calibration": heads.meta.get("report", {})}

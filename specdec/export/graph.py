@@ -315,8 +315,9 @@ def save_graph_sharing(model: onnx.ModelProto, path, reference) -> list[str]:
     pointing into the reference's external data file instead of a copy of its own.
 
     onnxruntime memory-maps external data, so two graphs sharing a file share its pages: a LayerSkip split of
-    the target costs no second copy of the weights on disk or in memory. The rest (new tensors) goes into
-    this graph's own data file. Returns the file names written.
+    the target costs no second copy of the weights on disk or in memory. A tensor is matched by its bytes, not
+    its name (a quantized target may hold the tied embedding under another name than the graph that gathers
+    from it). The rest (new tensors) goes into this graph's own data file. Returns the file names written.
     """
     from pathlib import Path
 
@@ -324,22 +325,33 @@ def save_graph_sharing(model: onnx.ModelProto, path, reference) -> list[str]:
 
     path, reference = Path(path), Path(reference)
     ref = onnx.load_model(str(reference), load_external_data=False)
-    where = {t.name: t for t in ref.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    by_shape: dict[tuple, list] = {}  # (dtype, dims) -> reference tensors, same-named first
+    for r in ref.graph.initializer:
+        if r.data_location == TensorProto.EXTERNAL:
+            by_shape.setdefault((r.data_type, tuple(r.dims)), []).append(r)
     shared = 0
-    for t in model.graph.initializer:
-        r = where.get(t.name)
-        if r is None or list(r.dims) != list(t.dims) or r.data_type != t.data_type:
-            continue
-        info = external_data_helper.ExternalDataInfo(r)
-        with open(reference.parent / info.location, "rb") as f:
-            f.seek(info.offset or 0)
-            same = f.read(info.length) == numpy_helper.to_array(t).tobytes()
-        if same:
-            t.ClearField("raw_data")
-            del t.external_data[:]
-            t.external_data.extend(r.external_data)
-            t.data_location = TensorProto.EXTERNAL
-            shared += 1
+    files: dict[str, object] = {}
+    try:
+        for t in model.graph.initializer:
+            candidates = sorted(by_shape.get((t.data_type, tuple(t.dims)), []), key=lambda r: r.name != t.name)
+            data = None
+            for r in candidates:
+                info = external_data_helper.ExternalDataInfo(r)
+                f = files.get(info.location) or files.setdefault(info.location, open(reference.parent / info.location, "rb"))
+                data = numpy_helper.to_array(t).tobytes() if data is None else data
+                if info.length != len(data):
+                    continue
+                f.seek(info.offset or 0)
+                if f.read(info.length) == data:
+                    t.ClearField("raw_data")
+                    del t.external_data[:]
+                    t.external_data.extend(r.external_data)
+                    t.data_location = TensorProto.EXTERNAL
+                    shared += 1
+                    break
+    finally:
+        for f in files.values():
+            f.close()
     if shared == len(model.graph.initializer):
         onnx.save_model(model, str(path))
         return [path.name]

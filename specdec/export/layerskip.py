@@ -291,19 +291,16 @@ def build_exit_head(cfg: ModelConfig, w: DecoderWeights, vocab: np.ndarray, adap
 
 
 def write_layerskip(partial: Path, model_cfg: ModelConfig, weights: DecoderWeights, calib: Calibration,
-                    dtype=np.float32) -> tuple[dict, dict]:
+                    precision: str, build: Callable[..., "onnx.ModelProto"]) -> tuple[dict, dict]:
     """Write exit.onnx and tail.onnx (sharing target.onnx's weight file), exit_head.onnx and draft_vocab.npy.
-    Returns (graph specs by name, DrafterSpec fields)."""
-    from specdec.export.graph import build_decoder_graph, control_inputs, kv_input_names, kv_output_names, save_graph, \
-        save_graph_sharing
+    `build(**slice)` writes a slice of the target at its `precision` (bundle.target_graph). Returns (graph specs
+    by name, DrafterSpec fields)."""
+    from specdec.export.graph import control_inputs, kv_input_names, kv_output_names, save_graph, save_graph_sharing
     from specdec.runtime.manifest import GraphSpec
 
     E, L = calib.exit_layer, model_cfg.n_layers
-    precision = "fp16" if np.dtype(dtype) == np.float16 else "fp32"
-    save_graph_sharing(build_decoder_graph(model_cfg, weights, n_layers=E, dtype=dtype, logits=False),
-                       partial / "exit.onnx", partial / "target.onnx")
-    save_graph_sharing(build_decoder_graph(model_cfg, weights, first_layer=E, dtype=dtype),
-                       partial / "tail.onnx", partial / "target.onnx")
+    save_graph_sharing(build(n_layers=E, logits=False), partial / "exit.onnx", partial / "target.onnx")
+    save_graph_sharing(build(first_layer=E), partial / "tail.onnx", partial / "target.onnx")
     graphs = {
         "exit": GraphSpec(file="exit.onnx", model=model_cfg, precision=precision, n_layers=E,
                           inputs=control_inputs(0) + tuple(kv_input_names(E)),

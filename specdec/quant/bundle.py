@@ -10,11 +10,11 @@ import onnx
 from onnx import numpy_helper
 
 from specdec.errors import SpecdecError
-from specdec.export.bundle import bundle_files, staged_folder
-from specdec.export.graph import save_graph
+from specdec.export.bundle import SPLIT_TOLERANCE, bundle_files, staged_folder
+from specdec.export.graph import save_graph, save_graph_sharing
 from specdec.export.verify import check_against_graph
 from specdec.quant.weight_only import FAST_TARGET_PRESETS, TARGET_PRESETS, quantize_weights
-from specdec.runtime.manifest import MANIFEST_NAME, read_manifest
+from specdec.runtime.manifest import MANIFEST_NAME, SPLIT_GRAPHS, read_manifest
 
 
 def untie_embedding(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -50,6 +50,15 @@ def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     return convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=True)
 
 
+def _reads_data_file(graph: Path, data_file: str) -> bool:
+    """Whether a graph keeps any of its weights in `data_file` (by offset, see save_graph_sharing)."""
+    from onnx import external_data_helper
+
+    model = onnx.load(str(graph), load_external_data=False)
+    return any(t.data_location == onnx.TensorProto.EXTERNAL and
+               external_data_helper.ExternalDataInfo(t).location == data_file for t in model.graph.initializer)
+
+
 def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, fast_kernels: bool = False,
                     block_size: int | None = None) -> Path:
     """`fast_kernels`: int8-activation kernels (FAST_TARGET_PRESETS), faster but not lossless under speculation.
@@ -68,38 +77,62 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
         raise SpecdecError(f"--fast-kernels applies to {' and '.join(FAST_TARGET_PRESETS)} only, not {precision}")
     if g.precision != "fp32":
         raise SpecdecError(f"bundle {src} is already quantized ({g.precision})", "quantize an fp32 bundle")
-    if m.split_target:  # its exit and tail graphs point into the target's weight file, which this would replace
-        raise SpecdecError(f"bundle {src} is a layerskip bundle: its exit and tail graphs share the target's weights",
-                           "quantize the bundle without layerskip, or export layerskip with --precision fp16")
-    if m.drafter.kind == "eagle":  # its head's graph reads the embedding from the target's weight file
-        raise SpecdecError(f"bundle {src} has an EAGLE head, whose graph shares the target's weights",
-                           "quantize a bundle exported without --drafter eagle")
     if dst.exists() and not force:
         raise SpecdecError(f"output folder {dst} already exists", "pass --force to replace it")
+    cfg = None
+    if precision != "fp16":
+        cfg = (FAST_TARGET_PRESETS if fast_kernels else TARGET_PRESETS)[precision]
+        if block_size is not None:
+            cfg = replace(cfg, block_size=block_size)  # validated by WeightQuantConfig
+
+    def convert(model: onnx.ModelProto) -> onnx.ModelProto:
+        """The target, or a slice of it (LayerSkip exit / tail), at `precision`: slices come out byte for byte
+        as the target's weights do, so they keep sharing its weight file."""
+        if cfg is None:
+            return to_fp16(model)
+        return quantize_weights(untie_embedding(model) if cfg.quantizes_head else model, cfg)
+
+    data_file = g.file + ".data"
+    # Graphs that read the target's weight file by offset (a LayerSkip split's exit and tail, an EAGLE head)
+    # are rewritten against the new target's file; every other file is reused as is.
+    sharing = {name: spec for name, spec in m.graphs.items()
+               if name != "target" and _reads_data_file(src / spec.file, data_file)}
+    sharing_files = {spec.file for spec in sharing.values()}
     with staged_folder(dst) as partial:
-        for rel in m.files:  # everything but the target graph is reused as is
-            if rel == g.file or rel.startswith(g.file + "."):
+        for rel in m.files:
+            if rel == g.file or rel.startswith(g.file + ".") or rel in sharing_files or \
+                    any(rel.startswith(f + ".") for f in sharing_files):
                 continue
             (partial / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / rel, partial / rel)
-        if precision == "fp16":
-            save_graph(to_fp16(onnx.load(str(src / g.file))), partial / g.file)
-            target = replace(g, precision="fp16", quant={}, checks={})
+        save_graph(convert(onnx.load(str(src / g.file))), partial / g.file)
+        target = replace(g, precision=precision, quant=cfg.to_dict() if cfg else {}, checks={})
+        if cfg is None:
             check = check_against_graph(src / g.file, g, partial / g.file, target)
             if not check.passes("fp16"):
                 raise SpecdecError(f"the fp16 graph disagrees with the fp32 one: max |logit diff| "
                                    f"{check.max_abs_diff:.2e} > {check.tolerance('fp16'):.1e}",
                                    "this model may not fit fp16's range; keep fp32, or quantize --to int8")
             target = replace(target, checks=check.to_checks("fp16"))
-        else:
-            cfg = (FAST_TARGET_PRESETS if fast_kernels else TARGET_PRESETS)[precision]
-            if block_size is not None:
-                cfg = replace(cfg, block_size=block_size)  # validated by WeightQuantConfig
-            model = onnx.load(str(src / g.file))
-            if cfg.quantizes_head:
-                model = untie_embedding(model)
-            save_graph(quantize_weights(model, cfg), partial / g.file)
-            target = replace(g, precision=precision, quant=cfg.to_dict(), checks={})
-        manifest = replace(m, graphs={**m.graphs, "target": target}, files=bundle_files(partial))
+        graphs = {**m.graphs, "target": target}
+        for name, spec in sharing.items():
+            model = onnx.load(str(src / spec.file))  # with its weights, read from the source bundle
+            if m.split_target and name in SPLIT_GRAPHS:
+                graphs[name] = replace(spec, precision=precision, quant=target.quant)
+                model = convert(model)
+            elif cfg is None and spec.precision != "fp16":  # an fp16 target hands the head fp16 states
+                graphs[name] = replace(spec, precision="fp16" if spec.precision == "fp32" else spec.precision,
+                                       activations="fp16")
+                model = to_fp16(model)
+            save_graph_sharing(model, partial / spec.file, partial / g.file)
+        if m.split_target:
+            from specdec.export.layerskip import check_split
+
+            diff = check_split(partial, graphs, g.model.vocab_size)
+            if not diff <= SPLIT_TOLERANCE[precision]:
+                raise SpecdecError(f"the quantized layerskip split disagrees with the quantized target: max |logit "
+                                   f"diff| {diff:.2e}", "please report this model")
+            graphs["tail"] = replace(graphs["tail"], checks={"max_abs_logit_diff_vs_target_graph": diff})
+        manifest = replace(m, graphs=graphs, files=bundle_files(partial))
         (partial / MANIFEST_NAME).write_text(manifest.to_json())
     return dst

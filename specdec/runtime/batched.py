@@ -112,7 +112,7 @@ class _RowBinding:
         b.bind_cpu_input("total_sequence_length", np.array(length + T, dtype=np.int32))
         b.bind_cpu_input("query_lens", np.array([T], dtype=np.int32))
         if self.decoder.spec.has_tree_bias:  # a tree-capable graph run as a plain causal step
-            b.bind_cpu_input(ATTENTION_BIAS, np.zeros((1, 1, T, length + T), dtype=np.float32))
+            b.bind_cpu_input(ATTENTION_BIAS, np.zeros((1, 1, T, length + T), dtype=self.decoder.bias_dtype))
         for name, _, value in self._outputs(T):
             b.bind_ortvalue_output(name, value)
         self.decoder.session.run_with_iobinding(b)

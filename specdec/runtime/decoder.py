@@ -96,7 +96,8 @@ class Decoder:
         self._out_views: dict[int, list[tuple[str, np.ndarray, ort.OrtValue]]] = {}
         self._features_dtype = np.dtype(_FLOAT_TYPES.get(types.get(FEATURES, ""), np.float32))
         self._tap_store: dict[int, np.ndarray] = {}  # tap -> [max_len, hidden], see keep_tap
-        self._zero_bias = np.zeros(kv.batch * MAX_STEP * kv.max_len if spec.has_tree_bias else 0, self._features_dtype)
+        self.bias_dtype = np.dtype(_FLOAT_TYPES.get(types.get(ATTENTION_BIAS, ""), np.float32))
+        self._zero_bias = np.zeros(kv.batch * MAX_STEP * kv.max_len if spec.has_tree_bias else 0, self.bias_dtype)
 
     def keep_path(self, start: int, slots: np.ndarray) -> None:
         """After a tree step at cache length `start`, move the K/V (and kept taps) of the accepted nodes' slots
@@ -185,7 +186,7 @@ class Decoder:
         if self.spec.has_tree_bias:
             if bias is None:  # a plain causal step: an all-zero bias, a view of one preallocated zero buffer
                 bias = self._zero_bias[: B * T * total].reshape(B, 1, T, total)
-            b.bind_cpu_input(ATTENTION_BIAS, np.ascontiguousarray(bias, dtype=self._features_dtype))
+            b.bind_cpu_input(ATTENTION_BIAS, np.ascontiguousarray(bias, dtype=self.bias_dtype))
         for name, _, value in self._outputs_for(T):
             b.bind_ortvalue_output(name, value)
         if self.device_logits:

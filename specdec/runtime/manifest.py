@@ -72,6 +72,10 @@ class TokenizerSpec:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
 
+# A layerskip bundle's target runs as these two slices (layers [0, exit_layer) and [exit_layer, n_layers)).
+SPLIT_GRAPHS = ("exit", "tail")
+
+
 @dataclass(frozen=True)
 class GraphSpec:
     """One ONNX graph of the bundle. Inputs/outputs are listed so the runtime binds by name, not by guess."""
@@ -87,6 +91,9 @@ class GraphSpec:
     checks: dict[str, Any] = field(default_factory=dict)  # export-time measurements (e.g. max logit diff)
     # > 0: a slice of the target starting at this layer, fed the residual stream (`hidden_in`), not token ids
     first_layer: int = 0
+    # Float type of activations and K/V where the weights' precision does not say it (int8 heads in an fp16
+    # bundle compute in fp16). None: fp16 for an fp16 graph, fp32 for the others.
+    activations: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.precision in PRECISIONS, f"graph precision must be one of {PRECISIONS}, got {self.precision!r}")
@@ -97,6 +104,8 @@ class GraphSpec:
                  f"graph {self.file} has neither a 'logits' output nor a hidden.{self.n_layers} tap")
         _require(0 < self.n_layers <= self.model.n_layers,
                  f"graph {self.file}: n_layers must be in 1..{self.model.n_layers}, got {self.n_layers}")
+        _require(self.activations in (None, "fp32", "fp16"),
+                 f"graph {self.file}: activations must be fp32 or fp16, got {self.activations!r}")
         _require(0 <= self.first_layer < self.n_layers,
                  f"graph {self.file}: first_layer must be in 0..{self.n_layers - 1}, got {self.first_layer}")
 
@@ -129,7 +138,7 @@ class GraphSpec:
     def kv_dtype(self) -> np.dtype:
         """The dtype of this graph's K/V buffers, which a KVCache for it must be allocated in: an fp16 graph
         keeps everything in fp16; int8/int4 are weight-only (fp32 activations, so fp32 K/V)."""
-        return np.dtype(np.float16 if self.precision == "fp16" else np.float32)
+        return np.dtype(np.float16 if (self.activations or self.precision) == "fp16" else np.float32)
 
 
 @dataclass(frozen=True)
@@ -186,7 +195,7 @@ class Manifest:
         if self.drafter.kind == "layerskip":
             E, L = self.drafter.exit_layer, self.model.n_layers
             _require(0 < E < L, f"drafter.exit_layer must be in 1..{L - 1}, got {E}")
-            _require("exit" in self.graphs and "tail" in self.graphs, "a layerskip bundle needs graphs 'exit' and 'tail'")
+            _require(all(n in self.graphs for n in SPLIT_GRAPHS), "a layerskip bundle needs graphs 'exit' and 'tail'")
             ex, tail = self.graphs["exit"], self.graphs["tail"]
             _require(ex.first_layer == 0 and ex.n_layers == E and E in ex.hidden_layers,
                      f"graph 'exit' must run layers [0, {E}) and output hidden.{E}")
