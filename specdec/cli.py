@@ -472,14 +472,22 @@ def devices(bundle, notes):
                    "speculation (a multi-token step rounds differently from single steps). Plain decoding is unaffected.")
 @click.option("--block-size", type=int, default=None,
               help="Weights per quantization scale (power of two >= 16; default 32). Larger: smaller and faster, less exact.")
+@click.option("--method", type=click.Choice(["minmax", "rtn", "hqq", "gptq"]), default=None,
+              help="int4 default minmax (exact for a GGUF's own 4-bit weights, else round-to-nearest); rtn, hqq "
+                   "(onnxruntime's, no data) or gptq (calibrated on this bundle's answers to specdec's prompts).")
+@click.option("--sensitive-8bit", type=float, default=0.0, show_default=True,
+              help="int4: keep this fraction of the weights at 8 bits, those whose 4-bit rounding changes their "
+                   "layer's output most on calibration text.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @friendly
-def quantize(bundle, precision, out_dir, fast_kernels, block_size, force):
+def quantize(bundle, precision, out_dir, fast_kernels, block_size, method, sensitive_8bit, force):
     """Write a copy of an fp32 BUNDLE with its target quantized (or converted to fp16)."""
     from specdec.quant.bundle import quantize_bundle
 
     try:
-        quantize_bundle(bundle, out_dir, precision, force=force, fast_kernels=fast_kernels, block_size=block_size)
+        with _stage_progress() as step:
+            quantize_bundle(bundle, out_dir, precision, force=force, fast_kernels=fast_kernels, block_size=block_size,
+                            method=method, sensitive_8bit=sensitive_8bit, step=step)
     except ValueError as e:  # a WeightQuantConfig that does not validate, e.g. --block-size 48
         raise SpecdecError(str(e), "see specdec quantize --help") from None
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())

@@ -204,7 +204,7 @@ def test_minmax_reencodes_gguf_grids_exactly_and_rounds_the_rest(grid):
     others are rounded (here the 'head' to head_bits=8), within a half step."""
     import onnxruntime as ort
 
-    from specdec.quant.weight_only import WeightQuantConfig, quantize_minmax
+    from specdec.quant.weight_only import WeightQuantConfig, quantize_nbits
 
     rng = np.random.default_rng(0)
     K, N, bs = 64, 48, 32
@@ -221,7 +221,7 @@ def test_minmax_reencodes_gguf_grids_exactly_and_rounds_the_rest(grid):
     else:
         blocks = rng.standard_normal((N, K // bs, bs)).astype(np.float32) * 0.05
     W = np.ascontiguousarray(blocks.reshape(N, K).T).astype(np.float32)  # [K, N]
-    model = quantize_minmax(_matmul_model(W), WeightQuantConfig(bits=4, method="minmax", head_bits=8))
+    model = quantize_nbits(_matmul_model(W), WeightQuantConfig(bits=4, method="minmax", head_bits=8))
     choice = model.metadata_props[-1].value
     x = rng.standard_normal((1, 3, K)).astype(np.float32)
     so = ort.SessionOptions()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -13,6 +14,7 @@ from specdec.errors import SpecdecError
 from specdec.export.bundle import SPLIT_TOLERANCE, bundle_files, staged_folder
 from specdec.export.graph import save_graph, save_graph_sharing
 from specdec.export.verify import check_against_graph
+from specdec.quant.calibration import CalibrationConfig, calibration_sequences
 from specdec.quant.weight_only import FAST_TARGET_PRESETS, TARGET_PRESETS, quantize_weights
 from specdec.runtime.manifest import MANIFEST_NAME, SPLIT_GRAPHS, read_manifest
 
@@ -60,9 +62,14 @@ def _reads_data_file(graph: Path, data_file: str) -> bool:
 
 
 def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, fast_kernels: bool = False,
-                    block_size: int | None = None) -> Path:
+                    block_size: int | None = None, *, method: str | None = None, sensitive_8bit: float = 0.0,
+                    calibration: CalibrationConfig = CalibrationConfig(),
+                    step: Callable[[str], object] | None = None) -> Path:
     """`fast_kernels`: int8-activation kernels (FAST_TARGET_PRESETS), faster but not lossless under speculation.
-    `block_size` overrides the preset's quantization block (int8/int4 only)."""
+    `block_size`, `method` and `sensitive_8bit` override the preset's (int8/int4 only; see WeightQuantConfig).
+    GPTQ and sensitive_8bit calibrate on the source bundle's own answers to specdec's prompts (`calibration`).
+    `step(description)` is called as each stage starts (progress)."""
+    step = step or (lambda _desc: None)
     if precision not in QUANTIZE_PRECISIONS:
         raise SpecdecError(f"unknown precision {precision!r} for quantize",
                            f"choose one of {', '.join(QUANTIZE_PRECISIONS)}")
@@ -71,8 +78,9 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
     if g.precision == "fp16":  # rounding fp16 weights again would stack a second rounding on the first
         raise SpecdecError(f"bundle {src} is fp16; specdec quantize converts fp32 bundles only",
                            f"quantize the fp32 bundle it came from, or export with --precision {precision}")
-    if block_size is not None and precision not in TARGET_PRESETS:
-        raise SpecdecError(f"--block-size applies to {' and '.join(TARGET_PRESETS)} only, not {precision}")
+    if (block_size is not None or method is not None or sensitive_8bit) and precision not in TARGET_PRESETS:
+        raise SpecdecError(f"--block-size, --method and --sensitive-8bit apply to {' and '.join(TARGET_PRESETS)} "
+                           f"only, not {precision}")
     if fast_kernels and precision not in FAST_TARGET_PRESETS:
         raise SpecdecError(f"--fast-kernels applies to {' and '.join(FAST_TARGET_PRESETS)} only, not {precision}")
     if g.precision != "fp32":
@@ -82,15 +90,24 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
     cfg = None
     if precision != "fp16":
         cfg = (FAST_TARGET_PRESETS if fast_kernels else TARGET_PRESETS)[precision]
-        if block_size is not None:
-            cfg = replace(cfg, block_size=block_size)  # validated by WeightQuantConfig
+        overrides = {"block_size": block_size, "method": method, "sensitive_8bit": sensitive_8bit or None}
+        cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})  # validated by WeightQuantConfig
+        if cfg.needs_calibration and m.split_target:  # slices would need the very same choices as the whole
+            raise SpecdecError(f"bundle {src} is a layerskip bundle: its split cannot be quantized with "
+                               f"{cfg.method}{' and --sensitive-8bit' if cfg.sensitive_8bit else ''}",
+                               "use --method minmax, rtn or hqq without --sensitive-8bit")
+
+    sequences = None
+    if cfg is not None and cfg.needs_calibration:
+        step(f"calibration text: the bundle answers {calibration.prompts} of specdec's prompts")
+        sequences = calibration_sequences(src, calibration)
 
     def convert(model: onnx.ModelProto) -> onnx.ModelProto:
         """The target, or a slice of it (LayerSkip exit / tail), at `precision`: slices come out byte for byte
         as the target's weights do, so they keep sharing its weight file."""
         if cfg is None:
             return to_fp16(model)
-        return quantize_weights(untie_embedding(model) if cfg.quantizes_head else model, cfg)
+        return quantize_weights(untie_embedding(model) if cfg.quantizes_head else model, cfg, sequences)
 
     data_file = g.file + ".data"
     # Graphs that read the target's weight file by offset (a LayerSkip split's exit and tail, an EAGLE head)
@@ -105,6 +122,7 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
                 continue
             (partial / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / rel, partial / rel)
+        step(f"writing target graph ({precision}{', ' + cfg.method if cfg else ''})")
         save_graph(convert(onnx.load(str(src / g.file))), partial / g.file)
         target = replace(g, precision=precision, quant=cfg.to_dict() if cfg else {}, checks={})
         if cfg is None:
@@ -116,6 +134,7 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
             target = replace(target, checks=check.to_checks("fp16"))
         graphs = {**m.graphs, "target": target}
         for name, spec in sharing.items():
+            step(f"rewriting graph {name!r} against the new target's weights")
             model = onnx.load(str(src / spec.file))  # with its weights, read from the source bundle
             if m.split_target and name in SPLIT_GRAPHS:
                 graphs[name] = replace(spec, precision=precision, quant=target.quant)

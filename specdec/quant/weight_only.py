@@ -7,13 +7,21 @@ since its numerics never reach the output.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import onnx
 
 
-METHODS = ("rtn", "minmax")
+# rtn / hqq: onnxruntime's quantizers (round-to-nearest; HQQ's half-quadratic fit of scales and zero points,
+# no data). minmax and gptq: specdec's, below (gptq: Hessian-aware rounding on calibration activations, Frantar
+# et al. 2022). onnxruntime's own GPTQ (from Neural Compressor) was tried and left: on the tests' model its
+# layer output error on the calibration text was 2x round-to-nearest's, and it quantized the tied LM head that
+# it was told to exclude.
+METHODS = ("rtn", "minmax", "hqq", "gptq")
+# GPTQ's dampening: this fraction of the mean Hessian diagonal is added to it (the paper's default).
+GPTQ_DAMP = 0.01
 
 
 @dataclass(frozen=True)
@@ -22,12 +30,15 @@ class WeightQuantConfig:
     block_size: int = 32
     symmetric: bool = True
     accuracy_level: int = 0  # 0 = fp32 activations (T-invariant); 4 = int8 activations (fast, not T-invariant)
-    # "rtn": onnxruntime's quantizer (integer zero points). "minmax": specdec's (quantize_minmax): each weight
+    # "rtn": onnxruntime's quantizer (integer zero points). "minmax": specdec's (quantize_nbits): each weight
     # first re-encoded exactly where its values already lie on a 4- or 8-bit block grid (a GGUF's Q4_1/Q8_0
     # weights, dequantized at export), else round-to-nearest at `bits` (the LM head at `head_bits`).
     method: str = "rtn"
     # minmax: bits of the LM head when not exact (None = `bits`); 32 keeps it in fp32 (and tied to the embedding)
     head_bits: int | None = None
+    # Mixed precision: this fraction of the 4-bit weights, those whose rounding changes their layer's output
+    # most on calibration activations (relative squared error), is kept at 8 bits instead.
+    sensitive_8bit: float = 0.0
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8) or self.head_bits not in (None, 4, 8, 32):
@@ -38,6 +49,15 @@ class WeightQuantConfig:
             raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ValueError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
+        if self.method in ("hqq", "gptq") and self.bits != 4:
+            raise ValueError(f"method {self.method} quantizes to 4 bits only; use rtn or minmax for 8")
+        if not 0.0 <= self.sensitive_8bit <= 1.0 or (self.sensitive_8bit and self.bits != 4):
+            raise ValueError(f"sensitive_8bit must be in [0, 1] and applies to 4-bit weights, got {self.sensitive_8bit}")
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether quantize_weights needs calibration sequences (GPTQ, or choosing weights to keep at 8 bits)."""
+        return self.method == "gptq" or self.sensitive_8bit > 0
 
     @property
     def quantizes_head(self) -> bool:
@@ -52,24 +72,145 @@ class WeightQuantConfig:
         return {**asdict(self), "method": f"matmul_nbits_{self.method}"}
 
 
-def quantize_weights(model: onnx.ModelProto, cfg: WeightQuantConfig) -> onnx.ModelProto:
+def quantize_weights(model: onnx.ModelProto, cfg: WeightQuantConfig,
+                     calibration: list[np.ndarray] | None = None) -> onnx.ModelProto:
     """Replace every MatMul with a constant weight by MatMulNBits. The tied Gemm head is not a MatMul:
-    build the graph with DecoderWeights.with_own_lm_head() first to quantize the head too."""
-    if cfg.method == "minmax":
-        return quantize_minmax(model, cfg)
+    build the graph with DecoderWeights.with_own_lm_head() first to quantize the head too. `calibration`
+    (token sequences, see quant.calibration): required when cfg.needs_calibration."""
+    if cfg.needs_calibration and not calibration:
+        raise ValueError(f"{cfg.method} with sensitive_8bit={cfg.sensitive_8bit} needs calibration sequences")
+    grams = None
+    if cfg.needs_calibration:
+        from specdec.quant.calibration import matmul_input_grams
+
+        grams = matmul_input_grams(model, calibration, quantizable_weights(model, cfg))
+    sensitive = sensitive_weights(model, cfg, grams) if cfg.sensitive_8bit > 0 else {}
+    if cfg.method in ("minmax", "gptq"):
+        return quantize_nbits(model, cfg, eight_bit=set(sensitive), grams=grams)
+    model = _ort_quantize(model, cfg, exclude=sorted(sensitive.values()))
+    if sensitive:  # the weights left as MatMul are the sensitive ones: 8-bit round-to-nearest
+        model = _ort_quantize(model, replace(cfg, bits=8, method="rtn", sensitive_8bit=0.0), exclude=[])
+    return model
+
+
+def quantizable_weights(model: onnx.ModelProto, cfg: WeightQuantConfig) -> dict[str, str]:
+    """{weight name: MatMul node name} of the weights cfg quantizes: constant [K, N] MatMul weights read by that
+    node only; the LM head only if cfg.quantizes_head."""
+    inits = {t.name: t for t in model.graph.initializer}
+    consumers: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers[name] = consumers.get(name, 0) + 1
+    return {n.input[1]: n.name for n in model.graph.node
+            if n.op_type == "MatMul" and len(n.input) == 2 and n.input[1] in inits
+            and len(inits[n.input[1]].dims) == 2
+            and consumers[n.input[1]] == 1 and (n.name != HEAD_NAME or cfg.quantizes_head)}
+
+
+def _ort_quantize(model: onnx.ModelProto, cfg: WeightQuantConfig, exclude: list[str]) -> onnx.ModelProto:
     import logging
 
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    level = cfg.accuracy_level or None
+    if cfg.method == "hqq":
+        algo = mnq.HQQWeightOnlyQuantConfig(block_size=cfg.block_size, bits=cfg.bits, op_types_to_quantize=("MatMul",))
+    else:
+        algo = mnq.DefaultWeightOnlyQuantConfig(block_size=cfg.block_size, is_symmetric=cfg.symmetric,
+                                                accuracy_level=level, bits=cfg.bits, op_types_to_quantize=("MatMul",))
+    if not cfg.quantizes_head:  # the head stays fp32, tied to the embedding
+        exclude = [*exclude, HEAD_NAME]
+    q = mnq.MatMulNBitsQuantizer(model, bits=cfg.bits, block_size=cfg.block_size, is_symmetric=cfg.symmetric,
+                                 accuracy_level=level, nodes_to_exclude=exclude, algo_config=algo)
+    with warnings.catch_warnings():  # HQQ hands torch read-only numpy views; it only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        q.process()
+    out = q.model.model if hasattr(q.model, "model") else q.model
+    if cfg.method == "hqq" and level is not None:  # its node writer leaves the kernel choice unset
+        for node in out.graph.node:
+            if node.op_type == "MatMulNBits":
+                attr = [a for a in node.attribute if a.name == "accuracy_level"]
+                if attr:
+                    attr[0].i = level
+                else:
+                    node.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
+    return out
 
-    algo = DefaultWeightOnlyQuantConfig(block_size=cfg.block_size, is_symmetric=cfg.symmetric,
-                                        accuracy_level=cfg.accuracy_level or None, bits=cfg.bits,
-                                        op_types_to_quantize=("MatMul",))
-    q = MatMulNBitsQuantizer(model, bits=cfg.bits, block_size=cfg.block_size, is_symmetric=cfg.symmetric,
-                             accuracy_level=cfg.accuracy_level or None, algo_config=algo)
-    q.process()
-    return q.model.model
+
+def sensitive_weights(model: onnx.ModelProto, cfg: WeightQuantConfig, grams: dict[str, np.ndarray]) -> dict[str, str]:
+    """{weight name: MatMul node name} of the cfg.sensitive_8bit fraction of weights whose `bits`-bit rounding
+    changes the MatMul's output most on the calibration activations X: ||X (W - Q(W))||^2 / ||X W||^2, from the
+    Gram matrix H = X^T X as trace(D^T H D) / trace(W^T H W)."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    nodes = quantizable_weights(model, cfg)
+    error = {}
+    for w_name in nodes:
+        W = _pad(numpy_helper.to_array(inits[w_name]).astype(np.float64), cfg.block_size)  # [K', N]
+        H = _pad(_pad(grams[w_name], cfg.block_size).T, cfg.block_size)  # [K', K']
+        symmetric = cfg.symmetric or W.shape[0] != grams[w_name].shape[0]
+        D = W - _dequantize(*_grid(_blocks(W, cfg.block_size), cfg.bits, symmetric)[:3], cfg.bits, W.shape)
+        error[w_name] = float((D * (H @ D)).sum() / max((W * (H @ W)).sum(), 1e-30))
+    n_keep = int(round(cfg.sensitive_8bit * len(error)))
+    ranked = sorted(error, key=error.get, reverse=True)[:n_keep]
+    return {w: nodes[w] for w in ranked}
+
+
+def _pad(W: np.ndarray, bs: int) -> np.ndarray:
+    """W [K, N] with zero rows appended up to a multiple of the block: MatMulNBits's last block of a K that is
+    not a multiple holds zeros past K (they meet no activations, so a symmetric grid stores them exactly)."""
+    return np.pad(W, ((0, -W.shape[0] % bs), (0, 0)))
+
+
+def _blocks(W: np.ndarray, bs: int) -> np.ndarray:
+    """W [K, N] (K a multiple of bs, see _pad) -> [N, K/bs, bs]: MatMulNBits blocks run along K."""
+    K, N = W.shape
+    return np.ascontiguousarray(W.T).reshape(N, K // bs, bs)
+
+
+def _dequantize(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, bits: int, shape) -> np.ndarray:
+    """_grid's (q, scale, offset) back to W [K, N]."""
+    deq = scale[..., None] * (q.astype(np.float64) - (2 ** (bits - 1) if offset is None else 0))
+    if offset is not None:
+        deq = deq + offset[..., None]
+    K, N = shape
+    return deq.reshape(N, K).T
+
+
+def gptq(W: np.ndarray, H: np.ndarray, bits: int, bs: int, symmetric: bool) -> tuple:
+    """GPTQ rounding of W [K, N] for inputs with Gram matrix H = X^T X [K, K]: columns of K are rounded in
+    order, each one's rounding error spread over the not-yet-rounded ones through the inverse Hessian, so the
+    layer's output on X moves least. Block scales are set (like _grid) from the block's values when the walk
+    reaches it. Returns _grid's (q [N,nb,bs], scale [N,nb], offset [N,nb] or None)."""
+    K, N = W.shape
+    Wt = np.array(W.T, dtype=np.float64)  # [N, K]: GPTQ works on rows = outputs
+    H = np.array(H, dtype=np.float64)
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1.0
+    Wt[:, dead] = 0.0
+    H[np.diag_indices(K)] += GPTQ_DAMP * np.mean(np.diag(H))
+    U = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: inv(H) = U^T U
+    q = np.empty((N, K), dtype=np.uint8)
+    scales, offsets = [], []
+    for b0 in range(0, K, bs):
+        qb, sb, ob, _ = _grid(Wt[:, b0:b0 + bs][:, None, :], bits, symmetric)  # this block's grid, from now
+        scales.append(sb[:, 0])
+        offsets.append(None if ob is None else ob[:, 0])
+        for i in range(b0, b0 + bs):
+            if ob is None:
+                qi = np.clip(np.rint(Wt[:, i] / sb[:, 0]), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1) + 2 ** (bits - 1)
+                deq = sb[:, 0] * (qi - 2 ** (bits - 1))
+            else:
+                qi = np.clip(np.rint((Wt[:, i] - ob[:, 0]) / sb[:, 0]), 0, 2 ** bits - 1)
+                deq = sb[:, 0] * qi + ob[:, 0]
+            q[:, i] = qi
+            err = (Wt[:, i] - deq) / U[i, i]  # [N]
+            Wt[:, i + 1:] -= np.outer(err, U[i, i + 1:])
+    scale = np.stack(scales, 1).astype(np.float32)  # [N, nb]
+    offset = None if offsets[0] is None else np.stack(offsets, 1).astype(np.float32)
+    return q.reshape(N, K // bs, bs), scale, offset
 
 
 # Target presets: fp32 activations (accuracy_level 0), so a T-token verification computes what T single
@@ -131,7 +272,8 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     return q if bits == 8 else (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
 
 
-def quantize_minmax(model: onnx.ModelProto, cfg: WeightQuantConfig) -> onnx.ModelProto:
+def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, eight_bit: set[str] = frozenset(),
+                   grams: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
     """MatMul(x, W) -> MatMulNBits(x, W_q) [+ MatMul(block sums of x, offsets)] for every constant W [K, N].
 
     Per weight, the first exact grid wins: 4-bit asymmetric, 4-bit symmetric, 8-bit symmetric, 8-bit asymmetric
@@ -145,31 +287,34 @@ def quantize_minmax(model: onnx.ModelProto, cfg: WeightQuantConfig) -> onnx.Mode
 
     bs = cfg.block_size
     inits = {t.name: t for t in model.graph.initializer}
-    consumers: dict[str, int] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            consumers[name] = consumers.get(name, 0) + 1
+    candidates = quantizable_weights(model, cfg)
     new_nodes, new_inits, drop = [], [], set()
     choices: dict[str, int] = {}
     for node in model.graph.node:
         w_name = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
-        t = inits.get(w_name) if w_name else None
-        if t is None or len(t.dims) != 2 or t.dims[0] % bs or consumers.get(w_name, 0) != 1:
+        if w_name not in candidates:
             new_nodes.append(node)
             continue
-        W = numpy_helper.to_array(t).astype(np.float32)  # [K, N]
+        W = numpy_helper.to_array(inits[w_name]).astype(np.float32)  # [K, N]
         K, N = W.shape
-        nb = K // bs
-        blocks = np.ascontiguousarray(W.T).reshape(N, nb, bs)  # [N, nb, bs]: MatMulNBits blocks run along K
-        if node.name == HEAD_NAME and not cfg.quantizes_head:
-            new_nodes.append(node)
-            continue
-        fallback = (cfg.head_bits or cfg.bits) if node.name == HEAD_NAME else cfg.bits
-        for bits, symmetric in ((4, False), (4, True), (8, True), (8, False), (fallback, cfg.symmetric)):
+        padded = K % bs != 0  # the offsets' block sums need whole blocks: symmetric grids only
+        nb = -(-K // bs)
+        blocks = _blocks(_pad(W, bs), bs)  # [N, nb, bs]
+        grids = ((4, True), (8, True)) if padded else ((4, False), (4, True), (8, True), (8, False))
+        for bits, symmetric in grids:
             q, scale, offset, err = _grid(blocks, bits, symmetric)
             if err <= EXACT_TOLERANCE:
+                how = "exact"
                 break
-        key = f"{bits}bit_{'sym' if symmetric else 'asym'}_{'exact' if err <= EXACT_TOLERANCE else 'rtn'}"
+        else:
+            bits = (cfg.head_bits or cfg.bits) if node.name == HEAD_NAME else 8 if w_name in eight_bit else cfg.bits
+            symmetric = cfg.symmetric or padded
+            if cfg.method == "gptq" and bits == cfg.bits:
+                H = _pad(_pad(grams[w_name], bs).T, bs)  # [K', K']: padded inputs are dead columns
+                (q, scale, offset), how = gptq(_pad(W, bs), H, bits, bs, symmetric), "gptq"
+            else:
+                (q, scale, offset, _), how = _grid(blocks, bits, symmetric), "rtn"
+        key = f"{bits}bit_{'sym' if symmetric else 'asym'}_{how}"
         choices[key] = choices.get(key, 0) + 1
         base = node.name or w_name
         drop.add(w_name)
@@ -198,5 +343,5 @@ def quantize_minmax(model: onnx.ModelProto, cfg: WeightQuantConfig) -> onnx.Mode
     model.graph.initializer.extend(kept + new_inits)
     del model.graph.node[:]
     model.graph.node.extend(new_nodes)
-    model.metadata_props.append(onnx.StringStringEntryProto(key="specdec.minmax_choices", value=str(sorted(choices.items()))))
+    model.metadata_props.append(onnx.StringStringEntryProto(key="specdec.nbits_choices", value=str(sorted(choices.items()))))
     return model

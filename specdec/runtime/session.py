@@ -97,10 +97,17 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def make_session(path: Path, opts: RuntimeOptions) -> ort.InferenceSession:
-    _GlobalPool.ensure(opts.threads or usable_cores())
+def pooled_session_options(threads: int | None = None) -> ort.SessionOptions:
+    """SessionOptions running on the process's one global thread pool (created here if none exists yet): once
+    it exists, onnxruntime refuses sessions with their own threads, and two pools would spin against each other."""
+    _GlobalPool.ensure(threads or usable_cores())
     so = ort.SessionOptions()
     so.use_per_session_threads = False
+    return so
+
+
+def make_session(path: Path, opts: RuntimeOptions) -> ort.InferenceSession:
+    so = pooled_session_options(opts.threads)
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3  # ORT's warnings about unused initializers etc. are not the user's problem
     try:

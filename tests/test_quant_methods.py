@@ -1,0 +1,146 @@
+"""int4 algorithms (round-to-nearest, HQQ, GPTQ) and sensitivity-chosen 8-bit weights, on the tiny model."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+pytest.importorskip("torch")  # onnxruntime's HQQ quantizer runs on torch
+
+import specdec  # noqa: E402
+from specdec import GenerationConfig  # noqa: E402
+from specdec.quant.bundle import quantize_bundle  # noqa: E402
+from specdec.quant.calibration import CalibrationConfig, calibration_sequences, decoder_feeds, matmul_input_grams  # noqa: E402
+from specdec.quant.report import quant_report, t_invariance  # noqa: E402
+from specdec.quant.weight_only import WeightQuantConfig, gptq, quantizable_weights, sensitive_weights  # noqa: E402
+
+PROMPTS = ["the quick brown fox", "hello world, this is", "a small model proposes"]
+CALIB = CalibrationConfig(prompts=6, new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def methods(tiny_bundle, tmp_path_factory):
+    root = tmp_path_factory.mktemp("methods")
+    out = {m: quantize_bundle(tiny_bundle, root / m, "int4", method=m, calibration=CALIB) for m in ("rtn", "hqq", "gptq")}
+    out["rtn+8bit"] = quantize_bundle(tiny_bundle, root / "mixed", "int4", method="rtn", sensitive_8bit=0.5,
+                                      calibration=CALIB)
+    return out
+
+
+def _nbits(bundle) -> list[int]:
+    m = onnx.load(str(bundle / "target.onnx"), load_external_data=False)
+    return [next(a.i for a in n.attribute if a.name == "bits") for n in m.graph.node if n.op_type == "MatMulNBits"]
+
+
+@pytest.mark.parametrize("method", ["rtn", "hqq", "gptq", "rtn+8bit"])
+def test_every_method_decodes_losslessly_with_t_invariant_kernels(methods, method):
+    e = specdec.load(methods[method], drafter="ngram")
+    assert e.manifest.graphs["target"].quant["method"] == f"matmul_nbits_{method.split('+')[0]}"
+    for prompt in PROMPTS[:2]:
+        plain = e.generate(prompt, GenerationConfig(max_new_tokens=30, draft_len=0))
+        assert e.generate(prompt, GenerationConfig(max_new_tokens=30, draft_len=4)).token_ids == plain.token_ids
+    assert t_invariance(e.target, e.encode(PROMPTS[0]) + [5, 6, 7, 8, 9]) < 1e-4
+    assert _nbits(methods[method])
+
+
+def test_gptq_and_8bit_weights_are_closer_to_fp32_than_round_to_nearest(tiny_bundle, methods):
+    """GPTQ rounds to cancel each layer's output error on calibration text; 8-bit weights where 4-bit rounding
+    hurts most cut the error further. Measured on prompts that are not the calibration's."""
+    kl = {m: quant_report(tiny_bundle, methods[m], PROMPTS, max_new_tokens=24, draft_prompts=0)["mean_kl_a_b"]
+          for m in ("rtn", "gptq", "rtn+8bit")}
+    assert kl["gptq"] < kl["rtn"] and kl["rtn+8bit"] < kl["rtn"], kl
+
+
+def test_sensitive_weights_are_the_ones_rounding_hurts_most(tiny_bundle):
+    model = onnx.load(str(tiny_bundle / "target.onnx"))
+    seqs = calibration_sequences(tiny_bundle, CalibrationConfig(prompts=2, new_tokens=8))
+    grams = matmul_input_grams(model, seqs, quantizable_weights(model, WeightQuantConfig()))
+    everything = sensitive_weights(model, WeightQuantConfig(bits=4, sensitive_8bit=1.0), grams)
+    half = sensitive_weights(model, WeightQuantConfig(bits=4, sensitive_8bit=0.5), grams)
+    assert len(half) == round(len(everything) / 2)
+    assert list(half) == list(everything)[: len(half)]  # both ranked by the same error, largest first
+    # The mixed bundle holds exactly that many 8-bit weights.
+    mixed = quantize_bundle(tiny_bundle, tiny_bundle.parent / "mixed-check", "int4", method="minmax",
+                            sensitive_8bit=0.5, calibration=CalibrationConfig(prompts=2, new_tokens=8))
+    bits = _nbits(mixed)
+    assert bits.count(8) == len(half) and bits.count(4) == len(bits) - len(half)
+
+
+def test_decoder_feeds_prefill_matches_the_runtime(tiny_bundle):
+    """Calibration runs the graph without IOBinding; its logits must be the runtime's for the same ids."""
+    import onnxruntime as ort
+
+    from specdec.runtime.session import pooled_session_options
+
+    model = onnx.load(str(tiny_bundle / "target.onnx"))
+    ids = np.array(specdec.load(tiny_bundle).encode(PROMPTS[0]), dtype=np.int64)
+    session = ort.InferenceSession(model.SerializeToString(), pooled_session_options(), providers=["CPUExecutionProvider"])
+    logits = session.run(["logits"], decoder_feeds(model, ids))[0]
+    e = specdec.load(tiny_bundle)
+    np.testing.assert_allclose(logits[0, -1], e.target.prefill(ids[None, :])[0], atol=1e-4)  # prefill: the last row
+
+
+def test_bad_method_requests(tiny_bundle, tmp_path):
+    from specdec import SpecdecError
+
+    with pytest.raises(ValueError, match="4 bits only"):
+        WeightQuantConfig(bits=8, method="gptq")
+    with pytest.raises(ValueError, match="sensitive_8bit"):
+        WeightQuantConfig(bits=4, sensitive_8bit=1.5)
+    with pytest.raises(ValueError, match="needs calibration"):
+        from specdec.quant.weight_only import quantize_weights
+
+        quantize_weights(onnx.load(str(tiny_bundle / "target.onnx")), WeightQuantConfig(method="gptq"))
+    with pytest.raises(SpecdecError, match="apply to int8 and int4 only"):
+        quantize_bundle(tiny_bundle, tmp_path / "x", "fp16", method="hqq")
+
+
+def test_gptq_is_round_to_nearest_for_uncorrelated_inputs_and_beats_it_otherwise():
+    """With H = identity no column's error can be absorbed by others: GPTQ is plain rounding. With correlated
+    inputs it must lower the layer's output error ||X (W - Q)||, the quantity it minimises."""
+    from specdec.quant.weight_only import _blocks, _dequantize, _grid
+
+    rng = np.random.default_rng(0)
+    K, N, bs = 64, 24, 32
+    W = rng.standard_normal((K, N))
+    for symmetric in (True, False):
+        q, scale, offset = gptq(W, np.eye(K) * 1e6, 4, bs, symmetric)  # damping negligible next to 1e6
+        q_rtn, scale_rtn, offset_rtn, _ = _grid(_blocks(W, bs), 4, symmetric)
+        np.testing.assert_array_equal(q, q_rtn)
+        np.testing.assert_allclose(scale, scale_rtn, rtol=1e-6)
+        mixing = rng.standard_normal((K, K)) * 0.3 + np.eye(K)
+        X = rng.standard_normal((512, K)) @ mixing  # correlated inputs
+        err = {}
+        for name, (qq, ss, oo) in {"gptq": gptq(W, X.T @ X, 4, bs, symmetric),
+                                   "rtn": _grid(_blocks(W, bs), 4, symmetric)[:3]}.items():
+            err[name] = np.square(X @ (W - _dequantize(qq, ss, oo, 4, W.shape))).sum()
+        assert err["gptq"] < 0.8 * err["rtn"], err
+
+
+@pytest.mark.parametrize("method", ["minmax", "gptq"])
+def test_a_k_that_is_not_a_multiple_of_the_block_is_padded(method):
+    """K = 96 with blocks of 64: the last block holds 32 weights and 32 zeros; the graph computes x @ Q(W)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specdec.quant.weight_only import quantize_nbits
+
+    rng = np.random.default_rng(1)
+    K, N = 96, 40
+    W = rng.standard_normal((K, N)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["A", "W"], ["Y"], name="proj")], "g",
+                          [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, K])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, N])],
+                          initializer=[numpy_helper.from_array(W, "W")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    X = rng.standard_normal((200, K)).astype(np.float32)
+    cfg = WeightQuantConfig(bits=4, block_size=64, method=method, symmetric=False)
+    q = quantize_nbits(m, cfg, grams={"W": X.T.astype(np.float64) @ X})
+    assert [n.op_type for n in q.graph.node] == ["MatMulNBits"]  # padded: symmetric, no offset path
+    from specdec.runtime.session import pooled_session_options
+
+    sess = ort.InferenceSession(q.SerializeToString(), pooled_session_options(), providers=["CPUExecutionProvider"])
+    Y = sess.run(None, {"A": X})[0]
+    rel = np.square(Y - X @ W).sum() / np.square(X @ W).sum()
+    assert 1e-5 < rel < 0.05, rel  # quantized (not exact), and close
