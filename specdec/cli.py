@@ -478,16 +478,20 @@ def devices(bundle, notes):
 @click.option("--sensitive-8bit", type=float, default=0.0, show_default=True,
               help="int4: keep this fraction of the weights at 8 bits, those whose 4-bit rounding changes their "
                    "layer's output most on calibration text.")
+@click.option("--calib-prompts", type=int, default=16, show_default=True,
+              help="gptq / --sensitive-8bit: how many of specdec's prompts the bundle answers for calibration text.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @friendly
-def quantize(bundle, precision, out_dir, fast_kernels, block_size, method, sensitive_8bit, force):
+def quantize(bundle, precision, out_dir, fast_kernels, block_size, method, sensitive_8bit, calib_prompts, force):
     """Write a copy of an fp32 BUNDLE with its target quantized (or converted to fp16)."""
     from specdec.quant.bundle import quantize_bundle
+    from specdec.quant.calibration import CalibrationConfig
 
     try:
         with _stage_progress() as step:
             quantize_bundle(bundle, out_dir, precision, force=force, fast_kernels=fast_kernels, block_size=block_size,
-                            method=method, sensitive_8bit=sensitive_8bit, step=step)
+                            method=method, sensitive_8bit=sensitive_8bit, step=step,
+                            calibration=CalibrationConfig(prompts=calib_prompts))
     except ValueError as e:  # a WeightQuantConfig that does not validate, e.g. --block-size 48
         raise SpecdecError(str(e), "see specdec quantize --help") from None
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
@@ -518,7 +522,7 @@ def build_engines_cmd(bundle, device, max_len, rebuild):
 
 @main.command("quant-report")
 @click.argument("reference", type=click.Path(path_type=Path))
-@click.argument("candidate", type=click.Path(path_type=Path))
+@click.argument("candidates", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--questions", type=click.Path(path_type=Path), default=None, help="Spec-Bench questions JSONL.")
 @click.option("--limit", type=int, default=1, show_default=True, help="Questions per category.")
 @click.option("--max-new-tokens", default=96, show_default=True)
@@ -527,8 +531,9 @@ def build_engines_cmd(bundle, device, max_len, rebuild):
                    "a graph with slow single-token kernels drafts one slow step per token.")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the report as JSON.")
 @friendly
-def quant_report_cmd(reference, candidate, questions, limit, max_new_tokens, draft_prompts, out):
-    """Quality and speed of CANDIDATE's target against REFERENCE's, teacher-forced on REFERENCE's answers."""
+def quant_report_cmd(reference, candidates, questions, limit, max_new_tokens, draft_prompts, out):
+    """Quality and speed of each CANDIDATE's target against REFERENCE's, teacher-forced on REFERENCE's answers:
+    one table, one column per candidate."""
     from rich.console import Console
 
     from specdec.quant.report import quant_report, render
@@ -538,11 +543,15 @@ def quant_report_cmd(reference, candidate, questions, limit, max_new_tokens, dra
     if not questions.is_file():
         raise SpecdecError(f"questions file {questions} not found", "pass --questions PATH")
     prompts = [p.messages for p in load_spec_bench(questions, limit_per_category=limit or None)]
-    report = quant_report(reference, candidate, prompts, max_new_tokens=max_new_tokens, draft_prompts=draft_prompts)
-    Console().print(render(report))
+    reports = []
+    for candidate in candidates:
+        reports.append(quant_report(reference, candidate, prompts, max_new_tokens=max_new_tokens,
+                                    draft_prompts=draft_prompts))
+        if out:  # after each candidate: a long run that is stopped keeps what it measured
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(reports[0] if len(candidates) == 1 else {"reports": reports}, indent=1))
+    Console().print(render(reports))
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1))
         click.echo(f"wrote {out}")
 
 

@@ -144,3 +144,56 @@ def test_a_k_that_is_not_a_multiple_of_the_block_is_padded(method):
     Y = sess.run(None, {"A": X})[0]
     rel = np.square(Y - X @ W).sum() / np.square(X @ W).sum()
     assert 1e-5 < rel < 0.05, rel  # quantized (not exact), and close
+
+
+def test_quant_report_cli_compares_several_candidates_in_one_table(tiny_bundle, methods, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from specdec.cli import main
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) for i, (c, t) in
+                                   enumerate([("a", "the quick brown fox"), ("b", "hello world, this is")])))
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["quant-report", str(tiny_bundle), str(methods["rtn"]), str(methods["gptq"]),
+                                  "--questions", str(questions), "--max-new-tokens", "12", "--draft-prompts", "0",
+                                  "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    reports = json.loads(out.read_text())["reports"]
+    assert [rep["b"]["quant"]["method"] for rep in reports] == ["matmul_nbits_rtn", "matmul_nbits_gptq"]
+    assert "B1" in r.output and "B2" in r.output, r.output
+
+
+@pytest.mark.parametrize("K", [128, 96])
+def test_hqq_float_zero_points_become_fast_integer_codes_and_offsets(K):
+    """HQQ writes float zero points, which only a slow dequantizing kernel reads on CPUs: the rewrite computes
+    the same product through integer codes + block offsets."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    from specdec.quant.weight_only import float_zero_points_as_offsets
+    from specdec.runtime.session import pooled_session_options
+
+    rng = np.random.default_rng(2)
+    N = 48
+    g = helper.make_graph([helper.make_node("MatMul", ["A", "W"], ["Y"], name="proj")], "g",
+                          [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, None, K])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, None, N])],
+                          initializer=[numpy_helper.from_array(rng.standard_normal((K, N)).astype(np.float32), "W")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    q = mnq.MatMulNBitsQuantizer(m, algo_config=mnq.HQQWeightOnlyQuantConfig(block_size=64, bits=4))
+    q.process()
+    hqq = q.model.model
+    assert any(t.data_type == TensorProto.FLOAT and "zero" in t.name for t in hqq.graph.initializer)
+    fast = float_zero_points_as_offsets(onnx.load_from_string(hqq.SerializeToString()))
+    nbits = [n for n in fast.graph.node if n.op_type == "MatMulNBits"]
+    zps = {t.name: t.data_type for t in fast.graph.initializer}
+    assert len(nbits) == 1 and zps[nbits[0].input[3]] == TensorProto.UINT8
+    X = rng.standard_normal((1, 5, K)).astype(np.float32)
+    run = lambda model: ort.InferenceSession(model.SerializeToString(), pooled_session_options(),  # noqa: E731
+                                             providers=["CPUExecutionProvider"]).run(None, {"A": X})[0]
+    np.testing.assert_allclose(run(fast), run(hqq), rtol=1e-4, atol=1e-4)

@@ -185,29 +185,50 @@ def quant_report(bundle_a: Path, bundle_b: Path, prompts: list, max_new_tokens: 
     }
 
 
-def render(report: dict):
+def _label(r: dict) -> str:
+    q = r["quant"]
+    if not q:
+        return r["precision"]
+    method = q.get("method", "").replace("matmul_nbits_", "")
+    mixed = f"+{q['sensitive_8bit']:.0%} 8b" if q.get("sensitive_8bit") else ""
+    return f"{r['precision']} {method}{mixed} blk{q.get('block_size')}/acc{q.get('accuracy_level')}"
+
+
+def render(reports: dict | list[dict]):
+    """One table: the reference's column, then one per candidate (reports of the same reference and prompts)."""
     from rich.table import Table
 
-    t = Table(title=f"quant report over {report['tokens']} teacher-forced answer tokens")
+    reports = [reports] if isinstance(reports, dict) else reports
+    first = reports[0]
+    t = Table(title=f"quant report over {first['tokens']} teacher-forced answer tokens")
     t.add_column("")
     t.add_column("A (reference)", justify="right")
-    t.add_column("B", justify="right")
-    a, b = report["a"], report["b"]
-    t.add_row("bundle", a["bundle"], b["bundle"])
-    t.add_row("precision", a["precision"], b["precision"] + (f" {b['quant'].get('bits')}b/blk{b['quant'].get('block_size')}"
-                                                             f"/acc{b['quant'].get('accuracy_level')}" if b["quant"] else ""))
-    t.add_row("size on disk (MB)", f"{a['size_mb']:.0f}", f"{b['size_mb']:.0f}")
+    for i, _ in enumerate(reports):
+        t.add_column("B" if len(reports) == 1 else f"B{i + 1}", justify="right")
+    a = first["a"]
+
+    def add(name: str, ref: str, each) -> None:
+        t.add_row(name, ref, *(each(r) for r in reports))
+
+    add("bundle", a["bundle"], lambda r: r["b"]["bundle"])
+    add("precision", _label(a), lambda r: _label(r["b"]))
+    add("size on disk (MB)", f"{a['size_mb']:.0f}", lambda r: f"{r['b']['size_mb']:.0f}")
     for w in ("T=1", "T=5"):
-        t.add_row(f"ms per forward {w}", f"{a['forward_ms'][w]:.1f}", f"{b['forward_ms'][w]:.1f}")
+        add(f"ms per forward {w}", f"{a['forward_ms'][w]:.1f}", lambda r, w=w: f"{r['b']['forward_ms'][w]:.1f}")
     if "floor_ms" in a:
-        t.add_row(f"bytes read per token (MB) -> floor ms at {report['read_bandwidth_gbs']:.1f} GB/s",
-                  f"{a['bytes_per_token'] / 1e6:.0f} -> {a['floor_ms']:.1f}", f"{b['bytes_per_token'] / 1e6:.0f} -> {b['floor_ms']:.1f}")
-        t.add_row("T=1 forward / floor", f"{a['t1_over_floor']:.2f}x", f"{b['t1_over_floor']:.2f}x")
-    t.add_row("perplexity on A's answers", f"{a['perplexity']:.3f}", f"{b['perplexity']:.3f}")
-    t.add_row("T=5 vs 5xT=1 max |dlogit|", f"{a['t_invariance_max_abs_logit']:.1e}", f"{b['t_invariance_max_abs_logit']:.1e}")
-    t.add_row("mean KL(A||B)", "", f"{report['mean_kl_a_b']:.4f}")
-    t.add_row("top-1 agreement", "", f"{report['top1_agreement']:.3f}")
-    d = report["b_drafting_for_a"]
-    measured = f"accept {d['acceptance_rate']:.3f}, tau {d['tau']:.2f}" if d.get("prompts", 1) else "not measured"
-    t.add_row(f"B drafting for A, k={d['draft_len']}", "", measured)
+        add(f"bytes read per token (MB) -> floor ms at {first['read_bandwidth_gbs']:.1f} GB/s",
+            f"{a['bytes_per_token'] / 1e6:.0f} -> {a['floor_ms']:.1f}",
+            lambda r: f"{r['b']['bytes_per_token'] / 1e6:.0f} -> {r['b']['floor_ms']:.1f}")
+        add("T=1 forward / floor", f"{a['t1_over_floor']:.2f}x", lambda r: f"{r['b']['t1_over_floor']:.2f}x")
+    add("perplexity on A's answers", f"{a['perplexity']:.3f}", lambda r: f"{r['b']['perplexity']:.3f}")
+    add("T=5 vs 5xT=1 max |dlogit|", f"{a['t_invariance_max_abs_logit']:.1e}",
+        lambda r: f"{r['b']['t_invariance_max_abs_logit']:.1e}")
+    add("mean KL(A||B)", "", lambda r: f"{r['mean_kl_a_b']:.4f}")
+    add("top-1 agreement", "", lambda r: f"{r['top1_agreement']:.3f}")
+
+    def drafting(r: dict) -> str:
+        d = r["b_drafting_for_a"]
+        return f"accept {d['acceptance_rate']:.3f}, tau {d['tau']:.2f}" if d.get("prompts", 1) else "not measured"
+
+    add(f"B drafting for A, k={first['b_drafting_for_a']['draft_len']}", "", drafting)
     return t

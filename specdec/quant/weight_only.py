@@ -127,14 +127,16 @@ def _ort_quantize(model: onnx.ModelProto, cfg: WeightQuantConfig, exclude: list[
         warnings.simplefilter("ignore", UserWarning)
         q.process()
     out = q.model.model if hasattr(q.model, "model") else q.model
-    if cfg.method == "hqq" and level is not None:  # its node writer leaves the kernel choice unset
-        for node in out.graph.node:
-            if node.op_type == "MatMulNBits":
-                attr = [a for a in node.attribute if a.name == "accuracy_level"]
-                if attr:
-                    attr[0].i = level
-                else:
-                    node.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
+    if cfg.method == "hqq":
+        if level is not None:  # its node writer leaves the kernel choice unset
+            for node in out.graph.node:
+                if node.op_type == "MatMulNBits":
+                    attr = [a for a in node.attribute if a.name == "accuracy_level"]
+                    if attr:
+                        attr[0].i = level
+                    else:
+                        node.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
+        out = float_zero_points_as_offsets(out)
     return out
 
 
@@ -194,20 +196,22 @@ def gptq(W: np.ndarray, H: np.ndarray, bits: int, bs: int, symmetric: bool) -> t
     U = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: inv(H) = U^T U
     q = np.empty((N, K), dtype=np.uint8)
     scales, offsets = [], []
-    for b0 in range(0, K, bs):
-        qb, sb, ob, _ = _grid(Wt[:, b0:b0 + bs][:, None, :], bits, symmetric)  # this block's grid, from now
-        scales.append(sb[:, 0])
-        offsets.append(None if ob is None else ob[:, 0])
-        for i in range(b0, b0 + bs):
-            if ob is None:
-                qi = np.clip(np.rint(Wt[:, i] / sb[:, 0]), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1) + 2 ** (bits - 1)
-                deq = sb[:, 0] * (qi - 2 ** (bits - 1))
-            else:
-                qi = np.clip(np.rint((Wt[:, i] - ob[:, 0]) / sb[:, 0]), 0, 2 ** bits - 1)
-                deq = sb[:, 0] * qi + ob[:, 0]
-            q[:, i] = qi
-            err = (Wt[:, i] - deq) / U[i, i]  # [N]
-            Wt[:, i + 1:] -= np.outer(err, U[i, i + 1:])
+    lo, hi = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if symmetric else (0, 2 ** bits - 1)
+    for b0 in range(0, K, bs):  # one quantization block at a time; later columns get its error in one GEMM
+        b1 = b0 + bs
+        block = Wt[:, b0:b1].copy()  # [N, bs]
+        _, sb, ob, _ = _grid(block[:, None, :], bits, symmetric)  # this block's grid, from its current values
+        sb = sb[:, 0]
+        ob = np.zeros(N) if ob is None else ob[:, 0]
+        scales.append(sb)
+        offsets.append(None if symmetric else ob)
+        errors = np.empty((N, bs))  # [N, bs]
+        for j in range(bs):
+            qj = np.clip(np.rint((block[:, j] - ob) / sb), lo, hi)
+            q[:, b0 + j] = qj - lo
+            errors[:, j] = (block[:, j] - (sb * qj + ob)) / U[b0 + j, b0 + j]
+            block[:, j + 1:] -= np.outer(errors[:, j], U[b0 + j, b0 + j + 1:b1])
+        Wt[:, b1:] -= errors @ U[b0:b1, b1:]
     scale = np.stack(scales, 1).astype(np.float32)  # [N, nb]
     offset = None if offsets[0] is None else np.stack(offsets, 1).astype(np.float32)
     return q.reshape(N, K // bs, bs), scale, offset
@@ -272,6 +276,79 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     return q if bits == 8 else (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
 
 
+def _emit_nbits(x: str, y: str, base: str, grid: tuple, bits: int, block_size: int, K: int,
+                accuracy_level: int) -> tuple[list, list]:
+    """Nodes and initializers computing y = x @ W for W given as _grid's (q [N,nb,bs], scale [N,nb], offset
+    [N,nb] or None): MatMulNBits on the integer codes, plus, for a float block offset m, m * (x's block sums)
+    through one small MatMul. MatMulNBits's zero points are integers; float ones (HQQ's) fall to a slow
+    dequantizing kernel on CPUs, so they come here as offsets too. A K that is not a multiple of the block is
+    zero-padded before the block sums."""
+    from onnx import numpy_helper
+
+    q, scale, offset = grid
+    N, nb, bs = q.shape
+    mk = onnx.helper.make_node
+    inits = [numpy_helper.from_array(_pack(q, bits), f"{base}.qweight"),
+             numpy_helper.from_array(scale.reshape(-1).astype(np.float32), f"{base}.scales")]
+    ins = [x, f"{base}.qweight", f"{base}.scales"]
+    if offset is not None:  # integer zero point 0; the float offsets follow below
+        zp_len = N * nb if bits == 8 else N * ((nb + 1) // 2)
+        inits.append(numpy_helper.from_array(np.zeros(zp_len, dtype=np.uint8), f"{base}.zero_points"))
+        ins.append(f"{base}.zero_points")
+    out = y if offset is None else f"{base}.q_out"
+    nodes = [mk("MatMulNBits", ins, [out], name=f"{base}.nbits", domain="com.microsoft",
+                K=K, N=N, bits=bits, block_size=bs, accuracy_level=accuracy_level)]
+    if offset is None:
+        return nodes, inits
+    padded = x
+    if K % bs:
+        inits.append(numpy_helper.from_array(np.array([0, 0, 0, 0, 0, nb * bs - K], dtype=np.int64), f"{base}.pad"))
+        nodes.append(mk("Pad", [x, f"{base}.pad"], [f"{base}.x_padded"], name=f"{base}.pad"))  # [B,T,nb*bs]
+        padded = f"{base}.x_padded"
+    inits += [numpy_helper.from_array(np.array([0, 0, nb, bs], dtype=np.int64), f"{base}.block_shape"),
+              numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{base}.last_axis"),
+              numpy_helper.from_array(np.ascontiguousarray(offset.T).astype(np.float32), f"{base}.offsets")]
+    nodes += [mk("Reshape", [padded, f"{base}.block_shape"], [f"{base}.x_blocks"], name=f"{base}.blocks"),  # [B,T,nb,bs]
+              mk("ReduceSum", [f"{base}.x_blocks", f"{base}.last_axis"], [f"{base}.x_sums"], name=f"{base}.sums",
+                 keepdims=0),  # [B,T,nb]
+              mk("MatMul", [f"{base}.x_sums", f"{base}.offsets"], [f"{base}.off_out"], name=f"{base}.offset"),  # [B,T,N]
+              mk("Add", [f"{base}.q_out", f"{base}.off_out"], [y], name=f"{base}.add_offset")]
+    return nodes, inits
+
+
+def float_zero_points_as_offsets(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Rewrite MatMulNBits nodes with float zero points z (HQQ's) as integer codes + float block offsets
+    m = -scale * z: the same weights (scale * (q - z) = scale * q + m), computed by the fast kernels."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    new_nodes, drop = [], set()
+    new_inits = []
+    for node in model.graph.node:
+        zp = inits.get(node.input[3]) if node.op_type == "MatMulNBits" and len(node.input) > 3 else None
+        if zp is None or zp.data_type != onnx.TensorProto.FLOAT:
+            new_nodes.append(node)
+            continue
+        a = {x.name: x.i for x in node.attribute}
+        K, N, bits, bs = a["K"], a["N"], a["bits"], a["block_size"]
+        nb = -(-K // bs)
+        packed = numpy_helper.to_array(inits[node.input[1]]).reshape(N, nb, -1)
+        q = packed if bits == 8 else np.stack([packed & 15, packed >> 4], -1).reshape(N, nb, bs)
+        scale = numpy_helper.to_array(inits[node.input[2]]).reshape(N, nb)
+        offset = -scale * numpy_helper.to_array(zp).reshape(N, nb)
+        nodes, inits_ = _emit_nbits(node.input[0], node.output[0], node.name, (q, scale, offset), bits=bits,
+                                    block_size=bs, K=K, accuracy_level=a.get("accuracy_level", 0))
+        new_nodes += nodes
+        new_inits += inits_
+        drop.update(node.input[1:4])
+    kept = [t for t in model.graph.initializer if t.name not in drop]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept + new_inits)
+    del model.graph.node[:]
+    model.graph.node.extend(new_nodes)
+    return model
+
+
 def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, eight_bit: set[str] = frozenset(),
                    grams: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
     """MatMul(x, W) -> MatMulNBits(x, W_q) [+ MatMul(block sums of x, offsets)] for every constant W [K, N].
@@ -316,28 +393,11 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, eight_bit: se
                 (q, scale, offset, _), how = _grid(blocks, bits, symmetric), "rtn"
         key = f"{bits}bit_{'sym' if symmetric else 'asym'}_{how}"
         choices[key] = choices.get(key, 0) + 1
-        base = node.name or w_name
         drop.add(w_name)
-        new_inits += [numpy_helper.from_array(_pack(q, bits), f"{base}.qweight"),
-                      numpy_helper.from_array(scale.reshape(-1), f"{base}.scales")]
-        ins = [node.input[0], f"{base}.qweight", f"{base}.scales"]
-        if offset is not None:  # integer zero point 0; the float offsets follow below
-            zp_len = N * nb if bits == 8 else N * ((nb + 1) // 2)
-            new_inits.append(numpy_helper.from_array(np.zeros(zp_len, dtype=np.uint8), f"{base}.zero_points"))
-            ins.append(f"{base}.zero_points")
-        out = node.output[0] if offset is None else f"{base}.q_out"
-        new_nodes.append(onnx.helper.make_node("MatMulNBits", ins, [out], name=f"{base}.nbits", domain="com.microsoft",
-                                               K=K, N=N, bits=bits, block_size=bs, accuracy_level=cfg.accuracy_level))
-        if offset is not None:
-            new_inits += [numpy_helper.from_array(np.array([0, 0, nb, bs], dtype=np.int64), f"{base}.block_shape"),
-                          numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{base}.last_axis"),
-                          numpy_helper.from_array(np.ascontiguousarray(offset.T).astype(np.float32), f"{base}.offsets")]
-            mk = onnx.helper.make_node
-            new_nodes += [mk("Reshape", [node.input[0], f"{base}.block_shape"], [f"{base}.x_blocks"], name=f"{base}.blocks"),  # [B,T,nb,bs]
-                          mk("ReduceSum", [f"{base}.x_blocks", f"{base}.last_axis"], [f"{base}.x_sums"], name=f"{base}.sums",
-                             keepdims=0),  # [B,T,nb]
-                          mk("MatMul", [f"{base}.x_sums", f"{base}.offsets"], [f"{base}.off_out"], name=f"{base}.offset"),  # [B,T,N]
-                          mk("Add", [f"{base}.q_out", f"{base}.off_out"], [node.output[0]], name=f"{base}.add_offset")]
+        nodes, inits_ = _emit_nbits(node.input[0], node.output[0], node.name or w_name, (q, scale, offset),
+                                    bits=bits, block_size=bs, K=K, accuracy_level=cfg.accuracy_level)
+        new_nodes += nodes
+        new_inits += inits_
     kept = [t for t in model.graph.initializer if t.name not in drop]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept + new_inits)
