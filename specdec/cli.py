@@ -478,7 +478,7 @@ def devices(bundle, notes):
 @click.option("--sensitive-8bit", type=float, default=0.0, show_default=True,
               help="int4: keep this fraction of the weights at 8 bits, those whose 4-bit rounding changes their "
                    "layer's output most on calibration text.")
-@click.option("--calib-prompts", type=int, default=16, show_default=True,
+@click.option("--calib-prompts", type=int, default=96, show_default=True,
               help="gptq / --sensitive-8bit: how many of specdec's prompts the bundle answers for calibration text.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @friendly
@@ -550,7 +550,8 @@ def quant_report_cmd(reference, candidates, questions, limit, max_new_tokens, dr
         if out:  # after each candidate: a long run that is stopped keeps what it measured
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(reports[0] if len(candidates) == 1 else {"reports": reports}, indent=1))
-    Console().print(render(reports))
+    # a file or pipe gets every column whole (rich would squeeze them into 80 characters)
+    Console(width=None if sys.stdout.isatty() else 60 + 26 * len(reports)).print(render(reports))
     if out:
         click.echo(f"wrote {out}")
 

@@ -197,3 +197,56 @@ def test_hqq_float_zero_points_become_fast_integer_codes_and_offsets(K):
     run = lambda model: ort.InferenceSession(model.SerializeToString(), pooled_session_options(),  # noqa: E731
                                              providers=["CPUExecutionProvider"]).run(None, {"A": X})[0]
     np.testing.assert_allclose(run(fast), run(hqq), rtol=1e-4, atol=1e-4)
+
+
+def _tied_graph(E: np.ndarray):
+    """input_ids -> embedding (columns of the tied [D, V] head, as specdec's graphs gather them) -> logits."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    D, V = E.shape
+    nodes = [helper.make_node("Gather", ["lm_head.weight", "input_ids"], ["cols"], name="embed", axis=1),  # [D,B,T]
+             helper.make_node("Transpose", ["cols"], ["x"], name="embed.transpose", perm=[1, 2, 0]),  # [B,T,D]
+             helper.make_node("MatMul", ["x", "lm_head.weight"], ["logits"], name="lm_head")]  # [B,T,V]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, None])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, None, V])],
+                          initializer=[numpy_helper.from_array(E, "lm_head.weight")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    return m
+
+
+# minmax (self-int4's head) re-encodes a head on an 8-bit grid exactly; onnxruntime's round-to-nearest (self-int8)
+# spends the full [-128, 127] range with a negative scale, which rounds such a head again.
+@pytest.mark.parametrize("preset, exact_on_grid", [("self-int4", True), ("self-int8", False)])
+def test_an_exactly_quantized_tied_head_also_serves_as_the_embedding(preset, exact_on_grid):
+    """A head on an 8-bit grid (a GGUF's Q8_0) that comes back exact: the embedding is then gathered from the
+    head's codes, and no fp32 copy of the tied matrix remains. A head that rounding changes keeps its fp32
+    embedding (a rounded embedding would change the model)."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from specdec.quant.bundle import untie_embedding
+    from specdec.quant.weight_only import SELF_DRAFT_PRESETS, quantize_weights
+    from specdec.runtime.session import pooled_session_options
+
+    rng = np.random.default_rng(3)
+    D, V = 64, 40
+    step = np.abs(rng.standard_normal((V, D // 32, 1))) * 0.01 + 0.001  # per block of 32 along D, like Q8_0
+    codes = rng.integers(-127, 128, size=(V, D // 32, 32))
+    codes[..., 0] = 127  # Q8_0 sets each block's scale to max|w| / 127
+    on_grid = (codes * step).reshape(V, D).T.astype(np.float32)  # [D, V]
+    ids = np.array([[1, 7, 39, 7]])
+
+    def run(model):
+        s = ort.InferenceSession(model.SerializeToString(), pooled_session_options(), providers=["CPUExecutionProvider"])
+        return s.run(None, {"input_ids": ids})[0]
+
+    for E, shared in ((on_grid, exact_on_grid), (rng.standard_normal((D, V)).astype(np.float32), False)):
+        reference = run(_tied_graph(E))
+        q = quantize_weights(untie_embedding(_tied_graph(E)), SELF_DRAFT_PRESETS[preset])
+        ops = [n.op_type for n in q.graph.node]
+        fp32_tables = [t.name for t in q.graph.initializer if numpy_helper.to_array(t).size == D * V
+                       and t.data_type == onnx.TensorProto.FLOAT]
+        assert ("GatherBlockQuantized" in ops) == shared and (not fp32_tables) == shared, (ops, fp32_tables)
+        if shared:  # same embedding exactly; the head's int8-activation kernel rounds its input a little
+            np.testing.assert_allclose(run(q), reference, rtol=0.05, atol=0.05 * np.abs(reference).max())

@@ -86,10 +86,73 @@ def quantize_weights(model: onnx.ModelProto, cfg: WeightQuantConfig,
         grams = matmul_input_grams(model, calibration, quantizable_weights(model, cfg))
     sensitive = sensitive_weights(model, cfg, grams) if cfg.sensitive_8bit > 0 else {}
     if cfg.method in ("minmax", "gptq"):
-        return quantize_nbits(model, cfg, eight_bit=set(sensitive), grams=grams)
-    model = _ort_quantize(model, cfg, exclude=sorted(sensitive.values()))
-    if sensitive:  # the weights left as MatMul are the sensitive ones: 8-bit round-to-nearest
-        model = _ort_quantize(model, replace(cfg, bits=8, method="rtn", sensitive_8bit=0.0), exclude=[])
+        model = quantize_nbits(model, cfg, eight_bit=set(sensitive), grams=grams)
+    else:
+        model = _ort_quantize(model, cfg, exclude=sorted(sensitive.values()))
+        if sensitive:  # the weights left as MatMul are the sensitive ones: 8-bit round-to-nearest
+            model = _ort_quantize(model, replace(cfg, bits=8, method="rtn", sensitive_8bit=0.0), exclude=[])
+    return embedding_from_head(model) if cfg.quantizes_head else model
+
+
+def embedding_from_head(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Gather the token embedding from the quantized LM head's codes where the embedding is the head's own
+    matrix (a tied model) and the head's quantization kept it exactly (a GGUF's Q8_0 head, re-encoded bit for
+    bit): GatherBlockQuantized reads the head's MatMulNBits initializer itself, so the tied weights are stored
+    once again instead of an fp32 copy beside 8-bit codes (113 MB on SmolLM2-135M). Elsewhere the embedding
+    stays as it is: a rounded embedding would change the model, not just its storage."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    users: dict[str, int] = {}
+    for n in model.graph.node:
+        for name in n.input:
+            users[name] = users.get(name, 0) + 1
+    head = next((n for n in model.graph.node if n.op_type == "MatMulNBits" and list(n.output) == ["logits"]), None)
+    gather = next((n for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"
+                   and n.input[0] in inits), None)
+    if head is None or gather is None or len(head.input) > 3 and head.input[3]:  # zero points: not handled here
+        return model
+    a = {x.name: x.i for x in head.attribute}
+    K, V, bits, bs = a["K"], a["N"], a["bits"], a["block_size"]
+    axis = next((x.i for x in gather.attribute if x.name == "axis"), 0)
+    table = numpy_helper.to_array(inits[gather.input[0]])
+    table = table.T if axis == 1 else table  # [V, D]: the tied-graph layout gathers columns of [D, V]
+    transpose = None
+    if axis == 1:  # Gather [D, B, T] -> Transpose -> [B, T, D]
+        transpose = next((n for n in model.graph.node if n.op_type == "Transpose" and n.input[0] == gather.output[0]), None)
+        if transpose is None or users.get(gather.output[0]) != 1:
+            return model
+    if K % bs or table.shape != (V, K) or users.get(gather.input[0]) != 1:
+        return model
+    nb = K // bs
+    packed = numpy_helper.to_array(inits[head.input[1]]).reshape(V, nb, -1)  # [V, nb, bs*bits/8]
+    q = packed if bits == 8 else np.stack([packed & 15, packed >> 4], -1).reshape(V, nb, bs)
+    scales = numpy_helper.to_array(inits[head.input[2]]).reshape(V, nb, 1).astype(np.float32)
+    dequantized = ((q.astype(np.float32) - 2 ** (bits - 1)) * scales).reshape(V, K)
+    if np.abs(dequantized - table).max() > EXACT_TOLERANCE * max(float(np.abs(table).max()), 1e-30):
+        return model
+    out = (transpose or gather).output[0]
+    extra = [numpy_helper.from_array(scales, "embed.scales"),
+             numpy_helper.from_array(np.array([0, 0, K], dtype=np.int64), "embed.shape")]
+    ins = [head.input[1], "input_ids", "embed.scales"]
+    if bits == 8:  # MatMulNBits's implied 8-bit zero point; GatherBlockQuantized's must be given
+        extra.append(numpy_helper.from_array(np.full((V, nb, 1), 128, dtype=np.uint8), "embed.zero_points"))
+        ins.append("embed.zero_points")
+    mk = onnx.helper.make_node
+    new = [mk("GatherBlockQuantized", ins, ["embed.blocks"], name="embed", domain="com.microsoft", gather_axis=0,
+              quantize_axis=2, block_size=bs, bits=bits),  # [B,T,nb,bs]
+           mk("Reshape", ["embed.blocks", "embed.shape"], [out], name="embed.reshape")]  # [B,T,D]
+    nodes = []
+    for n in model.graph.node:
+        if n is gather:
+            nodes += new
+        elif n is not transpose:
+            nodes.append(n)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    kept = [t for t in model.graph.initializer if t.name != gather.input[0]]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept + extra)
     return model
 
 
