@@ -475,14 +475,18 @@ def devices(bundle, notes):
 @click.option("--method", type=click.Choice(["minmax", "rtn", "hqq", "gptq"]), default=None,
               help="int4 default minmax (exact for a GGUF's own 4-bit weights, else round-to-nearest); rtn, hqq "
                    "(onnxruntime's, no data) or gptq (calibrated on this bundle's answers to specdec's prompts).")
-@click.option("--sensitive-8bit", type=float, default=0.0, show_default=True,
-              help="int4: keep this fraction of the weights at 8 bits, those whose 4-bit rounding changes their "
-                   "layer's output most on calibration text.")
+@click.option("--sensitive", type=float, default=0.0, show_default=True,
+              help="int4: quantize this fraction of the weights finer, those whose 4-bit rounding changes their "
+                   "layer's output most on calibration text: at 8 bits, or see --sensitive-block.")
+@click.option("--sensitive-block", type=int, default=None,
+              help="With --sensitive: 4 bits in blocks of this size instead of 8 bits (CPUs without fast 8-bit "
+                   "kernels, e.g. AVX2).")
 @click.option("--calib-prompts", type=int, default=96, show_default=True,
-              help="gptq / --sensitive-8bit: how many of specdec's prompts the bundle answers for calibration text.")
+              help="gptq / --sensitive: how many of specdec's prompts the bundle answers for calibration text.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @friendly
-def quantize(bundle, precision, out_dir, fast_kernels, block_size, method, sensitive_8bit, calib_prompts, force):
+def quantize(bundle, precision, out_dir, fast_kernels, block_size, method, sensitive, sensitive_block, calib_prompts,
+             force):
     """Write a copy of an fp32 BUNDLE with its target quantized (or converted to fp16)."""
     from specdec.quant.bundle import quantize_bundle
     from specdec.quant.calibration import CalibrationConfig
@@ -490,7 +494,7 @@ def quantize(bundle, precision, out_dir, fast_kernels, block_size, method, sensi
     try:
         with _stage_progress() as step:
             quantize_bundle(bundle, out_dir, precision, force=force, fast_kernels=fast_kernels, block_size=block_size,
-                            method=method, sensitive_8bit=sensitive_8bit, step=step,
+                            method=method, sensitive=sensitive, sensitive_block=sensitive_block, step=step,
                             calibration=CalibrationConfig(prompts=calib_prompts))
     except ValueError as e:  # a WeightQuantConfig that does not validate, e.g. --block-size 48
         raise SpecdecError(str(e), "see specdec quantize --help") from None

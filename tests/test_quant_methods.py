@@ -22,7 +22,7 @@ CALIB = CalibrationConfig(prompts=6, new_tokens=24)
 def methods(tiny_bundle, tmp_path_factory):
     root = tmp_path_factory.mktemp("methods")
     out = {m: quantize_bundle(tiny_bundle, root / m, "int4", method=m, calibration=CALIB) for m in ("rtn", "hqq", "gptq")}
-    out["rtn+8bit"] = quantize_bundle(tiny_bundle, root / "mixed", "int4", method="rtn", sensitive_8bit=0.5,
+    out["rtn+8bit"] = quantize_bundle(tiny_bundle, root / "mixed", "int4", method="rtn", sensitive=0.5,
                                       calibration=CALIB)
     return out
 
@@ -55,13 +55,13 @@ def test_sensitive_weights_are_the_ones_rounding_hurts_most(tiny_bundle):
     model = onnx.load(str(tiny_bundle / "target.onnx"))
     seqs = calibration_sequences(tiny_bundle, CalibrationConfig(prompts=2, new_tokens=8))
     grams = matmul_input_grams(model, seqs, quantizable_weights(model, WeightQuantConfig()))
-    everything = sensitive_weights(model, WeightQuantConfig(bits=4, sensitive_8bit=1.0), grams)
-    half = sensitive_weights(model, WeightQuantConfig(bits=4, sensitive_8bit=0.5), grams)
+    everything = sensitive_weights(model, WeightQuantConfig(bits=4, sensitive=1.0), grams)
+    half = sensitive_weights(model, WeightQuantConfig(bits=4, sensitive=0.5), grams)
     assert len(half) == round(len(everything) / 2)
     assert list(half) == list(everything)[: len(half)]  # both ranked by the same error, largest first
     # The mixed bundle holds exactly that many 8-bit weights.
     mixed = quantize_bundle(tiny_bundle, tiny_bundle.parent / "mixed-check", "int4", method="minmax",
-                            sensitive_8bit=0.5, calibration=CalibrationConfig(prompts=2, new_tokens=8))
+                            sensitive=0.5, calibration=CalibrationConfig(prompts=2, new_tokens=8))
     bits = _nbits(mixed)
     assert bits.count(8) == len(half) and bits.count(4) == len(bits) - len(half)
 
@@ -85,8 +85,8 @@ def test_bad_method_requests(tiny_bundle, tmp_path):
 
     with pytest.raises(ValueError, match="4 bits only"):
         WeightQuantConfig(bits=8, method="gptq")
-    with pytest.raises(ValueError, match="sensitive_8bit"):
-        WeightQuantConfig(bits=4, sensitive_8bit=1.5)
+    with pytest.raises(ValueError, match="sensitive"):
+        WeightQuantConfig(bits=4, sensitive=1.5)
     with pytest.raises(ValueError, match="needs calibration"):
         from specdec.quant.weight_only import quantize_weights
 
@@ -250,3 +250,23 @@ def test_an_exactly_quantized_tied_head_also_serves_as_the_embedding(preset, exa
         assert ("GatherBlockQuantized" in ops) == shared and (not fp32_tables) == shared, (ops, fp32_tables)
         if shared:  # same embedding exactly; the head's int8-activation kernel rounds its input a little
             np.testing.assert_allclose(run(q), reference, rtol=0.05, atol=0.05 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("method", ["minmax", "hqq"])
+def test_sensitive_weights_can_take_smaller_4bit_blocks_instead_of_8_bits(tiny_bundle, tmp_path, method):
+    """Where 8-bit kernels are slow (AVX2), the sensitive weights keep 4 bits in finer blocks; every weight is
+    quantized exactly once (HQQ's offset MatMuls are not taken for weights by the second pass)."""
+    model = onnx.load(str(tiny_bundle / "target.onnx"))
+    n_weights = len(quantizable_weights(model, WeightQuantConfig(block_size=64)))
+    calib = CalibrationConfig(prompts=2, new_tokens=8)
+    out = quantize_bundle(tiny_bundle, tmp_path / "q", "int4", method=method, block_size=64, sensitive=0.5,
+                          sensitive_block=32, calibration=calib)
+    q = onnx.load(str(out / "target.onnx"), load_external_data=False)
+    blocks = [next(a.i for a in n.attribute if a.name == "block_size") for n in q.graph.node if n.op_type == "MatMulNBits"]
+    assert len(blocks) == n_weights and _nbits(out) == [4] * n_weights
+    assert blocks.count(32) == round(n_weights / 2) and blocks.count(64) == n_weights - round(n_weights / 2)
+    e = specdec.load(out, drafter="ngram")
+    plain = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=24, draft_len=0))
+    assert e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=24, draft_len=4)).token_ids == plain.token_ids
+    with pytest.raises(ValueError, match="sensitive_block"):
+        WeightQuantConfig(block_size=32, sensitive=0.5, sensitive_block=32)

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
+import onnx
 
 import specdec
 from specdec.errors import SpecdecError
-from specdec.export.graph import (CONTROL_INPUTS, build_decoder_graph, kv_input_names, kv_output_names,
-                                  model_config_from_hf, save_graph, weights_from_torch)
+from specdec.export.graph import (CONTROL_INPUTS, DecoderWeights, build_decoder_graph, kv_input_names,
+                                  kv_output_names, model_config_from_hf, save_graph, weights_from_torch)
 from specdec.export.layerskip import LayerSkipConfig
 from specdec.export.verify import check_logits
 from specdec.quant.weight_only import SELF_DRAFT_PRESETS, TARGET_PRESETS, quantize_weights
@@ -97,7 +98,7 @@ def _graph_spec(file: str, cfg: ModelConfig, precision: str, n_layers: int, hidd
                      hidden_layers=hidden, quant=quant or {})
 
 
-def target_graph(model_cfg: ModelConfig, weights, precision: str, **build) -> "onnx.ModelProto":
+def target_graph(model_cfg: ModelConfig, weights: DecoderWeights, precision: str, **build) -> onnx.ModelProto:
     """The target's graph, or a slice of it (`build`: n_layers / first_layer / logits of a LayerSkip split), at
     `precision`. Slices are built and quantized exactly as the whole target is, so their weights equal the
     target's byte for byte and save_graph_sharing points them into its weight file instead of copying them."""

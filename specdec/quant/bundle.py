@@ -62,12 +62,13 @@ def _reads_data_file(graph: Path, data_file: str) -> bool:
 
 
 def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, fast_kernels: bool = False,
-                    block_size: int | None = None, *, method: str | None = None, sensitive_8bit: float = 0.0,
+                    block_size: int | None = None, *, method: str | None = None, sensitive: float = 0.0,
+                    sensitive_block: int | None = None,
                     calibration: CalibrationConfig = CalibrationConfig(),
                     step: Callable[[str], object] | None = None) -> Path:
     """`fast_kernels`: int8-activation kernels (FAST_TARGET_PRESETS), faster but not lossless under speculation.
-    `block_size`, `method` and `sensitive_8bit` override the preset's (int8/int4 only; see WeightQuantConfig).
-    GPTQ and sensitive_8bit calibrate on the source bundle's own answers to specdec's prompts (`calibration`).
+    `block_size`, `method` and `sensitive` override the preset's (int8/int4 only; see WeightQuantConfig).
+    GPTQ and sensitive calibrate on the source bundle's own answers to specdec's prompts (`calibration`).
     `step(description)` is called as each stage starts (progress)."""
     step = step or (lambda _desc: None)
     if precision not in QUANTIZE_PRECISIONS:
@@ -78,8 +79,8 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
     if g.precision == "fp16":  # rounding fp16 weights again would stack a second rounding on the first
         raise SpecdecError(f"bundle {src} is fp16; specdec quantize converts fp32 bundles only",
                            f"quantize the fp32 bundle it came from, or export with --precision {precision}")
-    if (block_size is not None or method is not None or sensitive_8bit) and precision not in TARGET_PRESETS:
-        raise SpecdecError(f"--block-size, --method and --sensitive-8bit apply to {' and '.join(TARGET_PRESETS)} "
+    if (block_size is not None or method is not None or sensitive or sensitive_block) and precision not in TARGET_PRESETS:
+        raise SpecdecError(f"--block-size, --method and --sensitive apply to {' and '.join(TARGET_PRESETS)} "
                            f"only, not {precision}")
     if fast_kernels and precision not in FAST_TARGET_PRESETS:
         raise SpecdecError(f"--fast-kernels applies to {' and '.join(FAST_TARGET_PRESETS)} only, not {precision}")
@@ -90,12 +91,13 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
     cfg = None
     if precision != "fp16":
         cfg = (FAST_TARGET_PRESETS if fast_kernels else TARGET_PRESETS)[precision]
-        overrides = {"block_size": block_size, "method": method, "sensitive_8bit": sensitive_8bit or None}
+        overrides = {"block_size": block_size, "method": method, "sensitive": sensitive or None,
+                     "sensitive_block": sensitive_block}
         cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})  # validated by WeightQuantConfig
         if cfg.needs_calibration and m.split_target:  # slices would need the very same choices as the whole
             raise SpecdecError(f"bundle {src} is a layerskip bundle: its split cannot be quantized with "
-                               f"{cfg.method}{' and --sensitive-8bit' if cfg.sensitive_8bit else ''}",
-                               "use --method minmax, rtn or hqq without --sensitive-8bit")
+                               f"{cfg.method}{' and --sensitive' if cfg.sensitive else ''}",
+                               "use --method minmax, rtn or hqq without --sensitive")
 
     sequences = None
     if cfg is not None and cfg.needs_calibration:

@@ -190,7 +190,8 @@ def _label(r: dict) -> str:
     if not q:
         return r["precision"]
     method = q.get("method", "").replace("matmul_nbits_", "")
-    mixed = f"+{q['sensitive_8bit']:.0%} 8b" if q.get("sensitive_8bit") else ""
+    finer = f"b{q['sensitive_block']}" if q.get("sensitive_block") else "8b"
+    mixed = f"+{q['sensitive']:.0%} {finer}" if q.get("sensitive") else ""
     return f"{r['precision']} {method}{mixed} blk{q.get('block_size')}/acc{q.get('accuracy_level')}"
 
 

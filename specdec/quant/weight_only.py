@@ -37,8 +37,10 @@ class WeightQuantConfig:
     # minmax: bits of the LM head when not exact (None = `bits`); 32 keeps it in fp32 (and tied to the embedding)
     head_bits: int | None = None
     # Mixed precision: this fraction of the 4-bit weights, those whose rounding changes their layer's output
-    # most on calibration activations (relative squared error), is kept at 8 bits instead.
-    sensitive_8bit: float = 0.0
+    # most on calibration activations (relative squared error), is quantized finer: at 8 bits, or, with
+    # sensitive_block, at 4 bits in smaller blocks (CPUs without fast 8-bit fp32-activation kernels: AVX2).
+    sensitive: float = 0.0
+    sensitive_block: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8) or self.head_bits not in (None, 4, 8, 32):
@@ -51,13 +53,17 @@ class WeightQuantConfig:
             raise ValueError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
         if self.method in ("hqq", "gptq") and self.bits != 4:
             raise ValueError(f"method {self.method} quantizes to 4 bits only; use rtn or minmax for 8")
-        if not 0.0 <= self.sensitive_8bit <= 1.0 or (self.sensitive_8bit and self.bits != 4):
-            raise ValueError(f"sensitive_8bit must be in [0, 1] and applies to 4-bit weights, got {self.sensitive_8bit}")
+        if not 0.0 <= self.sensitive <= 1.0 or (self.sensitive and self.bits != 4):
+            raise ValueError(f"sensitive must be in [0, 1] and applies to 4-bit weights, got {self.sensitive}")
+        if self.sensitive_block is not None and not (16 <= self.sensitive_block < self.block_size
+                                                     and not self.sensitive_block & (self.sensitive_block - 1)):
+            raise ValueError(f"sensitive_block must be a power of two >= 16 below block_size {self.block_size}, "
+                             f"got {self.sensitive_block}")
 
     @property
     def needs_calibration(self) -> bool:
         """Whether quantize_weights needs calibration sequences (GPTQ, or choosing weights to keep at 8 bits)."""
-        return self.method == "gptq" or self.sensitive_8bit > 0
+        return self.method == "gptq" or self.sensitive > 0
 
     @property
     def quantizes_head(self) -> bool:
@@ -78,19 +84,22 @@ def quantize_weights(model: onnx.ModelProto, cfg: WeightQuantConfig,
     build the graph with DecoderWeights.with_own_lm_head() first to quantize the head too. `calibration`
     (token sequences, see quant.calibration): required when cfg.needs_calibration."""
     if cfg.needs_calibration and not calibration:
-        raise ValueError(f"{cfg.method} with sensitive_8bit={cfg.sensitive_8bit} needs calibration sequences")
+        raise ValueError(f"{cfg.method} with sensitive={cfg.sensitive} needs calibration sequences")
     grams = None
     if cfg.needs_calibration:
         from specdec.quant.calibration import matmul_input_grams
 
         grams = matmul_input_grams(model, calibration, quantizable_weights(model, cfg))
-    sensitive = sensitive_weights(model, cfg, grams) if cfg.sensitive_8bit > 0 else {}
+    sensitive = sensitive_weights(model, cfg, grams) if cfg.sensitive > 0 else {}
     if cfg.method in ("minmax", "gptq"):
-        model = quantize_nbits(model, cfg, eight_bit=set(sensitive), grams=grams)
+        model = quantize_nbits(model, cfg, finer=set(sensitive), grams=grams)
     else:
         model = _ort_quantize(model, cfg, exclude=sorted(sensitive.values()))
-        if sensitive:  # the weights left as MatMul are the sensitive ones: 8-bit round-to-nearest
-            model = _ort_quantize(model, replace(cfg, bits=8, method="rtn", sensitive_8bit=0.0), exclude=[])
+        if sensitive:  # the weights left as MatMul are the sensitive ones: 8 bits, or 4 in smaller blocks
+            finer = {"block_size": cfg.sensitive_block} if cfg.sensitive_block else {"bits": 8, "method": "rtn"}
+            model = _ort_quantize(model, replace(cfg, sensitive=0.0, sensitive_block=None, **finer), exclude=[])
+        # after every pass: the offsets' small MatMuls must not be taken for weights by a later pass
+        model = float_zero_points_as_offsets(model)
     return embedding_from_head(model) if cfg.quantizes_head else model
 
 
@@ -199,12 +208,11 @@ def _ort_quantize(model: onnx.ModelProto, cfg: WeightQuantConfig, exclude: list[
                         attr[0].i = level
                     else:
                         node.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
-        out = float_zero_points_as_offsets(out)
     return out
 
 
 def sensitive_weights(model: onnx.ModelProto, cfg: WeightQuantConfig, grams: dict[str, np.ndarray]) -> dict[str, str]:
-    """{weight name: MatMul node name} of the cfg.sensitive_8bit fraction of weights whose `bits`-bit rounding
+    """{weight name: MatMul node name} of the cfg.sensitive fraction of weights whose `bits`-bit rounding
     changes the MatMul's output most on the calibration activations X: ||X (W - Q(W))||^2 / ||X W||^2, from the
     Gram matrix H = X^T X as trace(D^T H D) / trace(W^T H W)."""
     from onnx import numpy_helper
@@ -218,7 +226,7 @@ def sensitive_weights(model: onnx.ModelProto, cfg: WeightQuantConfig, grams: dic
         symmetric = cfg.symmetric or W.shape[0] != grams[w_name].shape[0]
         D = W - _dequantize(*_grid(_blocks(W, cfg.block_size), cfg.bits, symmetric)[:3], cfg.bits, W.shape)
         error[w_name] = float((D * (H @ D)).sum() / max((W * (H @ W)).sum(), 1e-30))
-    n_keep = int(round(cfg.sensitive_8bit * len(error)))
+    n_keep = int(round(cfg.sensitive * len(error)))
     ranked = sorted(error, key=error.get, reverse=True)[:n_keep]
     return {w: nodes[w] for w in ranked}
 
@@ -412,7 +420,7 @@ def float_zero_points_as_offsets(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, eight_bit: set[str] = frozenset(),
+def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, finer: set[str] = frozenset(),
                    grams: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
     """MatMul(x, W) -> MatMulNBits(x, W_q) [+ MatMul(block sums of x, offsets)] for every constant W [K, N].
 
@@ -425,7 +433,6 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, eight_bit: se
     """
     from onnx import numpy_helper
 
-    bs = cfg.block_size
     inits = {t.name: t for t in model.graph.initializer}
     candidates = quantizable_weights(model, cfg)
     new_nodes, new_inits, drop = [], [], set()
@@ -437,8 +444,8 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, eight_bit: se
             continue
         W = numpy_helper.to_array(inits[w_name]).astype(np.float32)  # [K, N]
         K, N = W.shape
+        bs = cfg.block_size
         padded = K % bs != 0  # the offsets' block sums need whole blocks: symmetric grids only
-        nb = -(-K // bs)
         blocks = _blocks(_pad(W, bs), bs)  # [N, nb, bs]
         grids = ((4, True), (8, True)) if padded else ((4, False), (4, True), (8, True), (8, False))
         for bits, symmetric in grids:
@@ -447,14 +454,18 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, eight_bit: se
                 how = "exact"
                 break
         else:
-            bits = (cfg.head_bits or cfg.bits) if node.name == HEAD_NAME else 8 if w_name in eight_bit else cfg.bits
+            bits = (cfg.head_bits or cfg.bits) if node.name == HEAD_NAME else cfg.bits
+            if w_name in finer:  # a sensitive weight: 8 bits, or 4 bits in smaller blocks
+                bits, bs = (bits, cfg.sensitive_block) if cfg.sensitive_block else (8, bs)
+                padded = K % bs != 0
+                blocks = _blocks(_pad(W, bs), bs)
             symmetric = cfg.symmetric or padded
             if cfg.method == "gptq" and bits == cfg.bits:
                 H = _pad(_pad(grams[w_name], bs).T, bs)  # [K', K']: padded inputs are dead columns
                 (q, scale, offset), how = gptq(_pad(W, bs), H, bits, bs, symmetric), "gptq"
             else:
                 (q, scale, offset, _), how = _grid(blocks, bits, symmetric), "rtn"
-        key = f"{bits}bit_{'sym' if symmetric else 'asym'}_{how}"
+        key = f"{bits}bit_{'sym' if symmetric else 'asym'}_{how}" + (f"_b{bs}" if bs != cfg.block_size else "")
         choices[key] = choices.get(key, 0) + 1
         drop.add(w_name)
         nodes, inits_ = _emit_nbits(node.input[0], node.output[0], node.name or w_name, (q, scale, offset),
