@@ -270,3 +270,15 @@ def test_sensitive_weights_can_take_smaller_4bit_blocks_instead_of_8_bits(tiny_b
     assert e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=24, draft_len=4)).token_ids == plain.token_ids
     with pytest.raises(ValueError, match="sensitive_block"):
         WeightQuantConfig(block_size=32, sensitive=0.5, sensitive_block=32)
+
+
+def test_bad_quantize_options_get_one_line(tiny_bundle, tmp_path):
+    from test_cli import assert_one_error, run_cli
+
+    q = ("quantize", tiny_bundle, "--to", "int4", "-o", tmp_path / "q")
+    assert_one_error(run_cli(*q, "--method", "gptq", "--calib-prompts", "0"), "calibration needs >= 1 prompt")
+    assert_one_error(run_cli(*q, "--sensitive", "1.5"), "sensitive must be in [0, 1]")
+    assert_one_error(run_cli(*q, "--sensitive", "0.2", "--sensitive-block", "48"), "sensitive_block")
+    assert_one_error(run_cli("quantize", tiny_bundle, "--to", "fp16", "-o", tmp_path / "h", "--method", "hqq"),
+                     "apply to int8 and int4 only")
+    assert not (tmp_path / "q").exists() and not (tmp_path / "h").exists()
