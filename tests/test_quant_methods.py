@@ -225,7 +225,6 @@ def test_an_exactly_quantized_tied_head_also_serves_as_the_embedding(preset, exa
     import onnxruntime as ort
     from onnx import numpy_helper
 
-    from specdec.quant.bundle import untie_embedding
     from specdec.quant.weight_only import SELF_DRAFT_PRESETS, quantize_weights
     from specdec.runtime.session import pooled_session_options
 
@@ -243,7 +242,7 @@ def test_an_exactly_quantized_tied_head_also_serves_as_the_embedding(preset, exa
 
     for E, shared in ((on_grid, exact_on_grid), (rng.standard_normal((D, V)).astype(np.float32), False)):
         reference = run(_tied_graph(E))
-        q = quantize_weights(untie_embedding(_tied_graph(E)), SELF_DRAFT_PRESETS[preset])
+        q = quantize_weights(_tied_graph(E), SELF_DRAFT_PRESETS[preset])
         ops = [n.op_type for n in q.graph.node]
         fp32_tables = [t.name for t in q.graph.initializer if numpy_helper.to_array(t).size == D * V
                        and t.data_type == onnx.TensorProto.FLOAT]

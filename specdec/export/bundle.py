@@ -104,9 +104,7 @@ def target_graph(model_cfg: ModelConfig, weights: DecoderWeights, precision: str
     target's byte for byte and save_graph_sharing points them into its weight file instead of copying them."""
     if precision in ("fp32", "fp16"):
         return build_decoder_graph(model_cfg, weights, dtype=np.float16 if precision == "fp16" else np.float32, **build)
-    qcfg = TARGET_PRESETS[precision]
-    own_head = weights.with_own_lm_head() if qcfg.quantizes_head else weights
-    return quantize_weights(build_decoder_graph(model_cfg, own_head, **build), qcfg)
+    return quantize_weights(build_decoder_graph(model_cfg, weights, **build), TARGET_PRESETS[precision])
 
 
 def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: ExportConfig,
@@ -188,7 +186,7 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         elif cfg.drafter in SELF_DRAFT_PRESETS:
             qcfg = SELF_DRAFT_PRESETS[cfg.drafter]
             step(f"writing drafter graph ({cfg.drafter})")
-            save_graph(quantize_weights(build_decoder_graph(model_cfg, weights.with_own_lm_head()), qcfg),
+            save_graph(quantize_weights(build_decoder_graph(model_cfg, weights), qcfg),
                        partial / "draft.onnx")
             graphs["draft"] = _graph_spec("draft.onnx", model_cfg, f"int{qcfg.bits}", L, quant=qcfg.to_dict())
             check = check_logits(source.model, partial / "draft.onnx", graphs["draft"])

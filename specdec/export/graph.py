@@ -20,7 +20,7 @@ or fp16 (`dtype`); ids, positions and lengths stay integers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -54,12 +54,6 @@ class DecoderWeights:
     lm_head: np.ndarray | None  # [D, V]; None when tied to `embed`
     inv_freq: np.ndarray  # [H/2] rotary inverse frequencies (any rope scaling already applied)
     rope_scale: float = 1.0  # multiplies cos/sin (HF's attention_scaling)
-
-    def with_own_lm_head(self) -> "DecoderWeights":
-        """A tied head as its own [D, V] MatMul weight: weight-only quantizers only see MatMul weights."""
-        if self.lm_head is not None:
-            return self
-        return replace(self, lm_head=np.ascontiguousarray(self.embed.T))
 
 
 def weights_from_torch(model) -> DecoderWeights:

@@ -6,9 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from specdec.errors import SpecdecError
 from specdec.export.bundle import SPLIT_TOLERANCE, bundle_files, staged_folder
@@ -17,22 +15,6 @@ from specdec.export.verify import check_against_graph
 from specdec.quant.calibration import CalibrationConfig, calibration_sequences
 from specdec.quant.weight_only import FAST_TARGET_PRESETS, TARGET_PRESETS, quantize_weights
 from specdec.runtime.manifest import MANIFEST_NAME, SPLIT_GRAPHS, read_manifest
-
-
-def untie_embedding(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Give the embedding Gather its own copy of a weight it shares with the LM head MatMul.
-
-    The tied fp32 graph stores the matrix once and gathers embeddings as its columns; a weight-only
-    quantizer replaces the MatMul's weight, so the Gather must keep an fp32 copy to read.
-    """
-    inits = {i.name: i for i in model.graph.initializer}
-    matmul_weights = {n.input[1] for n in model.graph.node if n.op_type == "MatMul"}
-    for node in model.graph.node:
-        if node.op_type == "Gather" and node.input[0] in matmul_weights and node.input[0] in inits:
-            copy = numpy_helper.from_array(np.array(numpy_helper.to_array(inits[node.input[0]])), "embed.cols")
-            model.graph.initializer.append(copy)
-            node.input[0] = copy.name
-    return model
 
 
 QUANTIZE_PRECISIONS = ("fp16", *TARGET_PRESETS)
@@ -109,7 +91,7 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
         as the target's weights do, so they keep sharing its weight file."""
         if cfg is None:
             return to_fp16(model)
-        return quantize_weights(untie_embedding(model) if cfg.quantizes_head else model, cfg, sequences)
+        return quantize_weights(model, cfg, sequences)
 
     data_file = g.file + ".data"
     # Graphs that read the target's weight file by offset (a LayerSkip split's exit and tail, an EAGLE head)

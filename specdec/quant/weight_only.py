@@ -78,11 +78,30 @@ class WeightQuantConfig:
         return {**asdict(self), "method": f"matmul_nbits_{self.method}"}
 
 
+def untie_embedding(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give the embedding Gather its own copy of a weight it shares with the LM head MatMul.
+
+    The tied fp32 graph stores the matrix once and gathers embeddings as its columns; a weight-only
+    quantizer replaces the MatMul's weight, so the Gather must keep an fp32 copy to read.
+    """
+    inits = {i.name: i for i in model.graph.initializer}
+    matmul_weights = {n.input[1] for n in model.graph.node if n.op_type == "MatMul"}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and node.input[0] in matmul_weights and node.input[0] in inits:
+            table = onnx.numpy_helper.to_array(inits[node.input[0]])
+            copy = onnx.numpy_helper.from_array(np.array(table), "embed.cols")
+            model.graph.initializer.append(copy)
+            node.input[0] = copy.name
+    return model
+
+
 def quantize_weights(model: onnx.ModelProto, cfg: WeightQuantConfig,
                      calibration: list[np.ndarray] | None = None) -> onnx.ModelProto:
-    """Replace every MatMul with a constant weight by MatMulNBits. The tied Gemm head is not a MatMul:
-    build the graph with DecoderWeights.with_own_lm_head() first to quantize the head too. `calibration`
-    (token sequences, see quant.calibration): required when cfg.needs_calibration."""
+    """Replace every MatMul with a constant weight by MatMulNBits. A tied LM head (cfg.quantizes_head) is
+    untied first and, where its quantization is exact, serves as the embedding again (embedding_from_head).
+    `calibration` (token sequences, see quant.calibration): required when cfg.needs_calibration."""
+    if cfg.quantizes_head:
+        model = untie_embedding(model)
     if cfg.needs_calibration and not calibration:
         raise ValueError(f"{cfg.method} with sensitive={cfg.sensitive} needs calibration sequences")
     grams = None
