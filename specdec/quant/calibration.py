@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
 import numpy as np
 import onnx
 
@@ -47,8 +48,8 @@ def decoder_feeds(model: onnx.ModelProto, ids: np.ndarray) -> dict[str, np.ndarr
     (its K/V buffers sized to the sequence)."""
     n = len(ids)
     elem = {i.name: i.type.tensor_type for i in model.graph.input}
-    float_type = onnx.helper.tensor_dtype_to_np_dtype(elem["logits" if "logits" in elem else next(
-        name for name in elem if name.startswith("past."))].elem_type)
+    # The graph's one float type, that of its K/V inputs (fp32, or fp16 in an fp16 graph).
+    float_type = onnx.helper.tensor_dtype_to_np_dtype(elem["past.0.key"].elem_type)
     feeds: dict[str, np.ndarray] = {}
     for name, t in elem.items():
         if name == "input_ids":
