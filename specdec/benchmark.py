@@ -2,10 +2,12 @@
 
 Every prompt runs under every configuration back to back, so machine noise hits all of them alike;
 speed-ups are ratios of totals measured in this one run. Greedy speculative output must equal plain
-greedy output token for token: any prompt where it does not is counted and reported.
+greedy output token for token: any prompt where it does not is counted and reported. Sampled runs (temperature
+> 0) draw from the same distribution but not the same tokens, so their outputs are not compared.
 """
 from __future__ import annotations
 
+import dataclasses
 import resource
 import sys
 import time
@@ -14,6 +16,7 @@ from typing import Callable
 
 from specdec.errors import SpecdecError
 from specdec.runtime.engine import Engine, GenerationConfig
+from specdec.runtime.sampling import SamplingConfig
 from specdec.spec_bench import Prompt
 
 PLAIN = "plain"
@@ -51,7 +54,9 @@ def peak_rss_mb() -> float:
 
 
 def run_bench(engine: Engine, prompts: list[Prompt], configs: list[BenchConfig], max_new_tokens: int,
-              on_step: Callable[[], None] = lambda: None) -> dict:
+              on_step: Callable[[], None] = lambda: None, sampling: SamplingConfig = SamplingConfig(),
+              seed: int = 0) -> dict:
+    """Every prompt under plain decoding then each config. Sampled runs use the same seed for every config."""
     configs = [BenchConfig("none", 0)] + [c for c in configs if c.drafter != "none"]
     runs = []
     for prompt in prompts:
@@ -61,18 +66,19 @@ def run_bench(engine: Engine, prompts: list[Prompt], configs: list[BenchConfig],
             engine.use_drafter(cfg.drafter)
             engine.reset()  # no prefix reuse across configs: each pays its own prefill
             t0 = time.perf_counter()
-            tokens = [t for chunk in engine.stream_ids(ids, GenerationConfig(max_new_tokens=max_new_tokens,
-                                                                              draft_len=cfg.draft_len))
-                      for t in chunk]
+            gen = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=cfg.draft_len, sampling=sampling,
+                                   seed=None if sampling.greedy else seed)
+            tokens = [t for chunk in engine.stream_ids(ids, gen) for t in chunk]
             wall = time.perf_counter() - t0
             s = engine.last_stats
             reference = tokens if reference is None else reference
             runs.append({"prompt_id": prompt.id, "category": prompt.category, "config": cfg.name,
                          "new_tokens": len(tokens), "wall_s": wall, "ttft_s": s.prefill_s,
                          "forwards": s.target_forwards, "drafted": s.drafted, "accepted": s.accepted,
-                         "identical": tokens == reference})
+                         "identical": tokens == reference if sampling.greedy else None})
             on_step()
-    return summarize(runs, [c.name for c in configs]) | {"runs": runs, "peak_rss_mb": round(peak_rss_mb(), 1)}
+    return summarize(runs, [c.name for c in configs]) | {"runs": runs, "peak_rss_mb": round(peak_rss_mb(), 1),
+                                                          "sampling": dataclasses.asdict(sampling)}
 
 
 def summarize(runs: list[dict], config_names: list[str]) -> dict:
@@ -87,7 +93,7 @@ def summarize(runs: list[dict], config_names: list[str]) -> dict:
             fwd, acc = sum(r["forwards"] for r in rs), sum(r["accepted"] for r in rs)
             table[name][cat] = {"prompts": len(rs), "tokens": tokens, "tok_s": tokens / wall if wall else 0.0,
                                 "tau": (acc + fwd) / fwd if fwd else 1.0,
-                                "not_identical": sum(not r["identical"] for r in rs)}
+                                "not_identical": sum(r["identical"] is False for r in rs)}
     for name in config_names:
         for cat in categories:
             base = table[PLAIN][cat]["tok_s"]
@@ -98,7 +104,10 @@ def summarize(runs: list[dict], config_names: list[str]) -> dict:
 def render_table(result: dict):
     from rich.table import Table
 
-    t = Table(title="specdec bench (greedy; speed-up vs plain decoding of the same bundle, same run)")
+    sampling = result.get("sampling") or {"temperature": 0.0}
+    mode = ("greedy" if not sampling["temperature"] else
+            "sampling: " + ", ".join(f"{k} {v}" for k, v in sampling.items()))
+    t = Table(title=f"specdec bench ({mode}; speed-up vs plain decoding of the same bundle, same run)")
     t.add_column("category")
     for name in result["configs"]:
         t.add_column(f"{name}\ntok/s  tau  x", justify="right")

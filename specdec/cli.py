@@ -574,17 +574,24 @@ DEFAULT_QUESTIONS = Path(__file__).resolve().parent.parent.parent / "shared" / "
 @click.option("--max-len", type=int, default=None, help="KV buffer length in tokens.")
 @click.option("--device", default=None, metavar="PROFILE", help="Device profile (`specdec devices`): provider and KV length.")
 @click.option("--threads", default=0, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy (outputs compared token for token).")
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Sampling seed, the same for every config.")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write results as JSON (and a PNG beside it).")
 @friendly
-def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, threads, out):
+def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, threads, temperature, top_k, top_p, seed,
+          out):
     """Speed-up of speculative over plain decoding on Spec-Bench, measured side by side."""
     import specdec
     from rich.console import Console
     from rich.progress import Progress
 
     from specdec.benchmark import BenchConfig, plot, render_table, run_bench
+    from specdec.runtime.sampling import SamplingConfig
     from specdec.spec_bench import load_spec_bench
 
+    sampling = _build(SamplingConfig, temperature=temperature, top_k=top_k, top_p=top_p)
     questions = questions or DEFAULT_QUESTIONS
     if not questions.is_file():
         raise SpecdecError(f"questions file {questions} not found", "pass --questions PATH")
@@ -605,9 +612,10 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, th
         click.echo(f"note: bundle's drafter is {kind}; skipping {', '.join(skipped)}", err=True)
     with Progress(disable=not sys.stderr.isatty()) as progress:
         task = progress.add_task("benchmarking", total=len(prompts) * (len(wanted) + 1))
-        result = run_bench(engine, prompts, wanted, max_new_tokens, on_step=lambda: progress.advance(task))
+        result = run_bench(engine, prompts, wanted, max_new_tokens, on_step=lambda: progress.advance(task),
+                           sampling=sampling, seed=seed)
     result["settings"] = {"bundle": str(bundle), "questions": str(questions), "limit_per_category": limit,
-                          "max_new_tokens": max_new_tokens, "threads": threads or None}
+                          "max_new_tokens": max_new_tokens, "threads": threads or None, "seed": seed}
     Console().print(render_table(result))
     click.echo(f"peak RSS {result['peak_rss_mb']:.0f} MB")
     if out:

@@ -225,7 +225,7 @@ def first_two_emitted(
 
 
 def joint_pvalue(pair: MarkovPair, first: np.ndarray, second: np.ndarray) -> float:
-    expected = pair.joint().ravel() * ROUNDS  # [vocab*vocab]
+    expected = pair.joint().ravel() * len(first)  # [vocab*vocab]
     assert expected.min() > 5  # chi-square's approximation holds
     observed = np.bincount(first * VOCAB + second, minlength=VOCAB * VOCAB)
     return chisquare(observed, expected).pvalue
@@ -336,3 +336,138 @@ def test_a_node_under_a_later_node_is_refused():
 
     with pytest.raises(ValueError, match="earlier node"):
         tree_greedy_accept(np.array([1, 2, 3]), np.array([-1, 2, 0]), np.zeros((4, 5)))
+
+
+# ---- token trees, sampled: recursive rejection sampling
+
+
+class FixedUniforms:
+    """An rng whose random() returns the given values in order: hand-computed rounds."""
+
+    def __init__(self, *values: float) -> None:
+        self.values = list(values)
+
+    def random(self) -> float:
+        return self.values.pop(0)
+
+
+def test_tree_sampling_takes_the_first_sibling_the_target_accepts():
+    from specdec.runtime.acceptance import tree_speculative_accept
+
+    # Deterministic siblings 1 and 2 under the root; the target is sure of 2: sibling 1 (p = 0) is rejected,
+    # the residual (the target without token 1) is still one-hot at 2, which accepts node 1; node 1 has no
+    # children, so the next token is drawn from its row: one-hot at 0.
+    p_target = np.array([one_hot(2), one_hot(3), one_hot(0)])  # [3, 4]
+    assert tree_speculative_accept(np.array([1, 2]), np.array([-1, -1]), None, p_target, FixedUniforms(0.0, 0.0, 0.5)) == ([1], 0)
+
+
+def test_tree_sampling_corrects_from_the_residual_left_by_every_rejected_sibling():
+    from specdec.runtime.acceptance import tree_speculative_accept
+
+    p_target = np.array([[0.2, 0.3, 0.5, 0.0], one_hot(0), one_hot(0)])  # [3, 4]
+    # u = 0.9 rejects token 2 (p = 0.5): p becomes [0.4, 0.6, 0, 0]; u = 0.7 rejects token 1 (p = 0.6): p
+    # becomes [1, 0, 0, 0], from which the correction is drawn, whatever u is.
+    assert tree_speculative_accept(np.array([2, 1]), np.array([-1, -1]), None, p_target, FixedUniforms(0.9, 0.7, 0.99)) == ([], 0)
+    # u = 0.55 accepts token 1 at the second stage (0.55 < 0.6), though 0.55 >= p_target[0, 1] = 0.3.
+    assert tree_speculative_accept(np.array([2, 1]), np.array([-1, -1]), None, p_target, FixedUniforms(0.9, 0.55, 0.0)) == ([1], 0)
+
+
+def test_tree_sampling_reads_each_siblings_own_law():
+    from specdec.runtime.acceptance import tree_speculative_accept
+
+    q = np.array([0.5, 0.25, 0.25, 0.0])  # the drafter's law at the root
+    p_draft = np.array([q, [0.0, 0.5, 0.5, 0.0]])  # sibling 2 drawn from q without token 0
+    p_target = np.array([[0.25] * 4, one_hot(2), one_hot(1)])  # [3, 4]
+    # Stage 1: token 0 accepted w.p. 0.25 / 0.5: u = 0.6 rejects, p becomes norm(max(0, p - q)) = one-hot 3;
+    # stage 2: token 1 has p = 0: rejected; the residual of one-hot 3 against its law is one-hot 3.
+    assert tree_speculative_accept(np.array([0, 1]), np.array([-1, -1]), p_draft, p_target, FixedUniforms(0.6, 0.0, 0.3)) == ([], 3)
+    # u = 0.4: 0.4 * 0.5 < 0.25 accepts token 0; its row (one-hot 2) gives the next token.
+    assert tree_speculative_accept(np.array([0, 1]), np.array([-1, -1]), p_draft, p_target, FixedUniforms(0.4, 0.3)) == ([0], 2)
+    # A node its own law gives no mass cannot have been drawn from it: skipped, never accepted.
+    off = np.array([[0.0, 0.5, 0.5, 0.0], [0.0, 0.5, 0.5, 0.0]])
+    assert tree_speculative_accept(np.array([0, 1]), np.array([-1, -1]), off, np.array([one_hot(0)] * 3),
+                                   FixedUniforms(0.0, 0.0)) == ([], 0)
+
+
+def test_a_chain_shaped_tree_is_speculative_sampling():
+    from specdec.runtime.acceptance import tree_speculative_accept
+
+    # Same uniforms, same decisions: a chain is the tree whose nodes have one child each.
+    p_draft = np.array([[0.1, 0.5, 0.1, 0.3], [0.4, 0.2, 0.2, 0.2]])
+    p_target = np.array([[0.4, 0.1, 0.3, 0.2], [0.1, 0.1, 0.1, 0.7], [0.25] * 4])
+    for u in ([0.1, 0.1, 0.5], [0.1, 0.9, 0.5], [0.9, 0.5, 0.5]):
+        tree = tree_speculative_accept(np.array([1, 0]), np.array([-1, 0]), p_draft, p_target, FixedUniforms(*u))
+        chain = speculative_accept(np.array([1, 0]), p_draft, p_target, FixedUniformsArray(*u))
+        assert (len(tree[0]), tree[1]) == chain
+
+
+class FixedUniformsArray(FixedUniforms):
+    """speculative_accept draws its k uniforms at once (random(k)), then one per sample()."""
+
+    def random(self, size=None):
+        if size is None:
+            return self.values.pop(0)
+        out, self.values = np.array(self.values[:size]), self.values[size:]
+        return out
+
+
+# Tree of the statistical test: three siblings at depth 1; two children under the first, one under the second.
+TREE_PARENTS = np.array([-1, -1, -1, 0, 0, 1])
+
+
+def first_two_emitted_from_trees(pair: MarkovPair, rng: np.random.Generator, rows_without_removal: bool = False,
+                                 rounds: int = ROUNDS):
+    """`rounds` tree rounds over the Markov pair. Siblings are drawn without replacement (sample_distinct);
+    `rows_without_removal` reports the undepleted law for every sibling (a wrong p_draft the test must catch)."""
+    from specdec.runtime.acceptance import tree_speculative_accept
+    from specdec.runtime.sampling import sample_distinct
+
+    first = np.empty(rounds, dtype=np.int64)
+    second = np.empty(rounds, dtype=np.int64)
+    for r in range(rounds):
+        top, top_rows = sample_distinct(pair.q0, 3, rng)
+        under0, under0_rows = sample_distinct(pair.Q[top[0]], 2, rng)
+        under1, under1_rows = sample_distinct(pair.Q[top[1]], 1, rng)
+        tokens = np.array(top + under0 + under1)  # [n]
+        p_draft = np.concatenate([top_rows, under0_rows, under1_rows])  # [n, vocab]
+        if rows_without_removal:
+            p_draft = np.concatenate([[pair.q0] * 3, [pair.Q[top[0]]] * 2, [pair.Q[top[1]]]])
+        p_target = np.concatenate([pair.p0[None], pair.T[tokens]])  # [n+1, vocab]
+        path, token = tree_speculative_accept(tokens, TREE_PARENTS, p_draft, p_target, rng)
+        emitted = [int(t) for t in tokens[path]] + [token]
+        if len(emitted) == 1:  # the target decodes the second token plainly
+            emitted.append(int(draw_rows(pair.T[emitted[:1]], rng)[0]))
+        first[r], second[r] = emitted[:2]
+    return first, second
+
+
+def test_tree_speculative_sampling_is_lossless(pair):
+    first, second = first_two_emitted_from_trees(pair, np.random.default_rng(21))
+    assert marginal_pvalue(pair.p0, first) > 1e-4
+    assert joint_pvalue(pair, first, second) > 1e-4
+
+
+def test_the_tree_check_rejects_a_wrong_rule(pair, monkeypatch):
+    # Siblings judged against the untouched target row (no residual between them) over-emit drafted tokens:
+    # a gross error, caught with a fifth of the rounds.
+    with monkeypatch.context() as m:
+        m.setattr(acceptance, "residual", lambda p_target_row, p_draft_row: p_target_row)
+        first, second = first_two_emitted_from_trees(pair, np.random.default_rng(21), rounds=ROUNDS // 5)
+    assert joint_pvalue(pair, first, second) < 1e-6
+    # Siblings drawn without replacement but reported with the undepleted law: subtler, it needs every round.
+    first, _ = first_two_emitted_from_trees(pair, np.random.default_rng(21), rows_without_removal=True)
+    assert marginal_pvalue(pair.p0, first) < 1e-6
+
+
+@settings(max_examples=100, deadline=None)
+@given(p=distributions, m=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
+def test_sample_distinct_draws_each_token_from_the_depleted_law(p, m, seed):
+    from specdec.runtime.sampling import sample_distinct
+
+    tokens, rows = sample_distinct(p, m, np.random.default_rng(seed))
+    assert len(set(tokens)) == len(tokens) == min(m, int((p > 0).sum()))
+    np.testing.assert_allclose(rows.sum(axis=1), 1.0)
+    for i, t in enumerate(tokens):
+        assert rows[i, t] > 0 and (rows[i, tokens[:i]] == 0).all()
+        kept = np.where(np.isin(np.arange(len(p)), tokens[:i]), 0.0, p)  # p without the earlier draws
+        np.testing.assert_allclose(rows[i], kept / kept.sum())

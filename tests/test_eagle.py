@@ -220,6 +220,8 @@ def test_tree_step_logits_equal_each_branch_decoded_on_its_own(eagle_bundle):
 
 
 def test_compacting_the_accepted_path_leaves_the_cache_of_a_plain_decode(eagle_bundle):
+    from specdec.runtime.drafters.base import Draft
+    from specdec.runtime.sampling import SamplingConfig
     from specdec.runtime.speculative import verify_tree
 
     target = _target(eagle_bundle)
@@ -234,7 +236,8 @@ def test_compacting_the_accepted_path_leaves_the_cache_of_a_plain_decode(eagle_b
     # Path root -> node 1 -> node 3 -> node 4 holds them; nodes 0 and 2 are decoys on other branches.
     nodes = np.array([(greedy[1] + 1) % 300, greedy[1], (greedy[2] + 1) % 300, greedy[2], greedy[3]])
     parents = np.array([-1, -1, 1, 1, 3])
-    accepted, _ = verify_tree(target, np.concatenate([[root], nodes])[None], parents)
+    draft = Draft(tokens=nodes, parents=parents)
+    accepted, _ = verify_tree(target, np.concatenate([[root], nodes])[None], draft, SamplingConfig(), rng)
     assert accepted == [1, 3, 4]
     n = len(past) + 1 + len(accepted)
     target.kv.advance(1 + len(accepted))
@@ -255,18 +258,32 @@ def test_greedy_eagle_tree_output_is_plain_greedy(eagle_bundle, k):
         assert spec.token_ids == plain.token_ids
 
 
-def test_tree_drafts_are_trees_and_sampling_falls_back_to_chains(eagle_bundle):
+def assert_sampled_tree_laws(draft) -> None:
+    """Each node's law gives its token mass, sums to 1, and excludes its earlier siblings' tokens (siblings are
+    drawn without replacement): what tree_speculative_accept needs to stay lossless."""
+    assert draft.parents is not None and draft.p_draft is not None
+    np.testing.assert_allclose(draft.p_draft.sum(axis=1), 1.0, rtol=1e-5)
+    for i, (token, parent) in enumerate(zip(draft.tokens, draft.parents)):
+        assert draft.p_draft[i, token] > 0
+        earlier = draft.tokens[:i][draft.parents[:i] == parent]
+        assert (draft.p_draft[i, earlier] == 0).all()
+
+
+def test_tree_drafts_are_trees_greedy_and_sampled(eagle_bundle):
     eng = specdec.load(eagle_bundle, drafter="eagle-tree")
     drafts = []
     real = eng.drafter.propose
     eng.drafter.propose = lambda ctx, k: drafts.append(real(ctx, k)) or drafts[-1]
     eng.generate("the quick brown fox", GenerationConfig(max_new_tokens=24, draft_len=3))
-    assert drafts and all(d.parents is not None for d in drafts if d.tokens.size)
+    assert drafts and all(d.parents is not None and d.p_draft is None for d in drafts if d.tokens.size)
     assert any(d.tokens.size > d.k for d in drafts)  # leaves beside the chain
     drafts.clear()
-    eng.generate("the quick brown fox", GenerationConfig(max_new_tokens=24, draft_len=3, seed=1,
-                                                         sampling=SamplingConfig(temperature=0.7)))
-    assert drafts and all(d.parents is None for d in drafts)
+    sampled = GenerationConfig(max_new_tokens=24, draft_len=3, seed=1, sampling=SamplingConfig(temperature=0.9))
+    first = eng.generate("the quick brown fox", sampled)
+    assert any(d.tokens.size > d.k for d in drafts)
+    for d in drafts:
+        assert_sampled_tree_laws(d)
+    assert eng.generate("the quick brown fox", sampled).token_ids == first.token_ids  # seeded runs repeat
 
 
 def test_int8_heads_graph_drafts_losslessly(tiny_checkpoint, trained, tmp_path):

@@ -63,10 +63,20 @@ def test_greedy_medusa_output_is_plain_greedy(bundle, drafter, k):
         assert eng.generate(prompt, GenerationConfig(max_new_tokens=40, draft_len=k)).token_ids == plain.token_ids
 
 
-def test_sampled_medusa_runs_repeat_under_a_seed(bundle):
-    eng = specdec.load(bundle, drafter="medusa")
+@pytest.mark.parametrize("drafter", ["medusa", "medusa-tree"])
+def test_sampled_medusa_runs_repeat_under_a_seed(bundle, drafter):
+    from test_eagle import assert_sampled_tree_laws
+
+    eng = specdec.load(bundle, drafter=drafter)
+    drafts = []
+    real = eng.drafter.propose
+    eng.drafter.propose = lambda ctx, k: drafts.append(real(ctx, k)) or drafts[-1]
     cfg = GenerationConfig(max_new_tokens=24, draft_len=3, seed=3, sampling=SamplingConfig(temperature=0.9))
     assert eng.generate("hello world", cfg).token_ids == eng.generate("hello world", cfg).token_ids
+    if drafter == "medusa-tree":
+        assert any(d.tokens.size > d.k for d in drafts)
+        for d in drafts:
+            assert_sampled_tree_laws(d)
 
 
 def test_medusa_export_needs_heads_of_this_target(tiny_checkpoint, trained, tmp_path):

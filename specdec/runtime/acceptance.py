@@ -109,6 +109,60 @@ def tree_greedy_accept(draft_tokens: np.ndarray, parents: np.ndarray, target_log
         row = path[-1] + 1
 
 
+def tree_speculative_accept(
+    draft_tokens: np.ndarray,
+    parents: np.ndarray,
+    p_draft: np.ndarray | None,
+    p_target: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[list[int], int]:
+    """Lossless sampling over a token tree: recursive rejection sampling (SpecInfer's multi-step speculative
+    sampling; Jeon et al. 2024 for siblings drawn without replacement).
+
+    At a node, its children are tried in order against the node's target row p: child x, drawn from q, is
+    accepted with probability min(1, p(x)/q(x)); the walk then continues below it with that child's own row.
+    On a rejection p becomes residual(p, q) and the next sibling is tried; when every child is rejected the
+    token is drawn from the last p. Each stage emits a token distributed as its p whatever the later stages
+    do (the residual is exactly the mass the stage left), so the output is distributed as p_target.
+
+    That holds when row i of `p_draft` [n, vocab] is the distribution node i was drawn from *given its
+    ancestors and its earlier siblings*: for siblings drawn without replacement from q, q with the earlier
+    siblings' tokens removed and renormalised (sampling.sample_distinct returns those rows). None: every node
+    is deterministic (top-k picks, lookups), a one-hot stage, exact for any choice of tokens. A node with
+    q(x) == 0 is skipped: it cannot have come from its row, and skipping a stage leaves p's law intact.
+
+    Row 0 of p_target [n+1, vocab] is the root's, row i+1 node i's. Returns (accepted nodes, next token).
+    """
+    draft_tokens = np.asarray(draft_tokens)  # [n]
+    parents = np.asarray(parents)  # [n]
+    n = draft_tokens.shape[0]
+    p_target = np.asarray(p_target)  # [n+1, vocab]
+    _check_rows(p_target, n)
+    check_tree(parents)
+    if p_draft is not None and np.shape(p_draft) != (n, p_target.shape[1]):
+        raise ValueError(f"p_draft has shape {np.shape(p_draft)}, expected {(n, p_target.shape[1])}")
+    path: list[int] = []
+    row = 0
+    while True:
+        p = np.asarray(p_target[row], dtype=np.float64)  # [vocab] this stage's law
+        for child in np.flatnonzero(parents == row - 1):
+            x = int(draft_tokens[child])
+            if p_draft is None:
+                q = np.zeros_like(p)  # [vocab]
+                q[x] = 1.0
+            else:
+                q = p_draft[child]  # [vocab]
+            if q[x] <= 0.0:
+                continue
+            if rng.random() * q[x] < p[x]:
+                path.append(int(child))
+                row = int(child) + 1
+                break
+            p = residual(p, q)
+        else:
+            return path, sample(p, rng)
+
+
 def check_tree(parents: np.ndarray) -> None:
     """parents[i] must be -1 (the root) or an earlier node: the order the verification step lays nodes out in."""
     parents = np.asarray(parents)

@@ -124,3 +124,23 @@ def select_token(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generat
     if cfg.greedy:
         return int(np.argmax(logits))
     return sample(probs_from_logits(logits, cfg), rng)
+
+
+def sample_distinct(probs: np.ndarray, m: int, rng: np.random.Generator) -> tuple[list[int], np.ndarray]:
+    """Draw up to m distinct tokens from a 1-D distribution without replacement, one after another.
+
+    Returns (tokens, rows [len(tokens), vocab] float64): rows[i] is the law token i was drawn from, `probs`
+    with tokens[:i] removed and renormalised. Those rows are what the tree acceptance rule needs to stay
+    lossless for siblings (acceptance.tree_speculative_accept). Stops early when no mass is left.
+    """
+    p = np.asarray(probs, dtype=np.float64).copy()  # [vocab]
+    tokens: list[int] = []
+    rows: list[np.ndarray] = []
+    for _ in range(m):
+        total = p.sum()
+        if not total > 0.0:
+            break
+        rows.append(p / total)
+        tokens.append(sample(p, rng))
+        p[tokens[-1]] = 0.0
+    return tokens, np.asarray(rows).reshape(len(tokens), p.shape[0])

@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from specdec.runtime.acceptance import (greedy_accept, speculative_accept, tree_attention_bias, tree_depths,
-                                        tree_greedy_accept)
+                                        tree_greedy_accept, tree_speculative_accept)
 from specdec.runtime.decoder import MAX_STEP, Decoder
 from specdec.runtime.draft_len import DraftLenPolicy
 from specdec.runtime.drafters.base import Draft, Drafter
@@ -65,14 +65,19 @@ class SpecStats:
                 "decode_tok_s": round(self.decode_tok_s, 2)}
 
 
-def verify_tree(target: Decoder, step: np.ndarray, parents: np.ndarray) -> tuple[list[int], int]:
-    """One greedy verification of a token tree step [1, n+1] (the round's input, then the nodes): every node at
+def verify_tree(target: Decoder, step: np.ndarray, draft: Draft, sampling: SamplingConfig,
+                rng: np.random.Generator) -> tuple[list[int], int]:
+    """One verification of a token tree step [1, n+1] (the round's input, then the nodes): every node at
     position length + depth, seeing only its ancestors; the accepted path's K/V then moved into chain order.
     Returns (the accepted nodes, the next token)."""
     start = int(target.kv.lengths[0])
-    positions = start + np.concatenate([[0], tree_depths(parents)])[None, :]  # [1, n+1]
-    logits = target.forward(step, positions, bias=tree_attention_bias(parents, start))[0]  # [n+1, vocab]
-    path, token = tree_greedy_accept(step[0, 1:], parents, logits)
+    positions = start + np.concatenate([[0], tree_depths(draft.parents)])[None, :]  # [1, n+1]
+    logits = target.forward(step, positions, bias=tree_attention_bias(draft.parents, start))[0]  # [n+1, vocab]
+    if sampling.greedy:
+        path, token = tree_greedy_accept(draft.tokens, draft.parents, logits)
+    else:
+        p_target = probs_from_logits(logits, sampling)  # [n+1, vocab]
+        path, token = tree_speculative_accept(draft.tokens, draft.parents, draft.p_draft, p_target, rng)
     target.keep_path(start + 1, np.asarray(path, dtype=np.int64))
     return path, token
 
@@ -106,7 +111,7 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
             t_drafted = time.perf_counter()
             step = np.asarray([[token, *draft.tokens]], dtype=np.int64)  # [1, k+1]
             if draft.parents is not None:
-                accepted, token = verify_tree(target, step, draft.parents)
+                accepted, token = verify_tree(target, step, draft, sampling, rng)
                 n_accepted = len(accepted)
             else:
                 logits = target.forward(step)[0]  # [k+1, vocab]

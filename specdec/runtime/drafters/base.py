@@ -24,9 +24,11 @@ class Draft:
     """
 
     tokens: np.ndarray  # [k] int64
+    # Row i: the law token i was drawn from. For a tree, given its ancestors and its earlier siblings (see
+    # acceptance.tree_speculative_accept); None: every token deterministic.
     p_draft: np.ndarray | None = None  # [k, vocab] float32, rows sum to 1
-    # A token tree (greedy only): node i hangs under node parents[i], -1 being the round's input token. None: a
-    # chain, each token under the one before. The target verifies every node in one step (tree attention mask).
+    # A token tree: node i hangs under node parents[i], -1 being the round's input token. None: a chain, each
+    # token under the one before. The target verifies every node in one step (tree attention mask).
     parents: np.ndarray | None = None  # [k] int64
 
     def __post_init__(self) -> None:
@@ -34,8 +36,8 @@ class Draft:
             raise ValueError(f"draft tokens must be 1-D, got shape {self.tokens.shape}")
         if self.parents is not None:
             check_tree(self.parents)
-            if self.parents.shape != self.tokens.shape or self.p_draft is not None:
-                raise ValueError("a tree draft needs one parent per token and no p_draft (trees are verified greedily)")
+            if self.parents.shape != self.tokens.shape:
+                raise ValueError("a tree draft needs one parent per token")
         if self.p_draft is not None and self.p_draft.shape[0] != self.tokens.shape[0]:
             raise ValueError(
                 f"p_draft has {self.p_draft.shape[0]} rows for {self.tokens.shape[0]} draft tokens"
@@ -49,23 +51,30 @@ class Draft:
         return int(tree_depths(self.parents).max(initial=0))
 
 
-def chain_with_leaves(chain: np.ndarray, leaves: list[tuple[int, int]], room: int) -> Draft:
+def chain_with_leaves(chain: np.ndarray, leaves: list[tuple[int, int]], room: int,
+                      p_chain: np.ndarray | None = None, p_leaves: list[np.ndarray] | None = None) -> Draft:
     """A tree draft: the chain, and beside its token at each depth that depth's leaves (token, depth index), hung
-    under the previous chain token; parents before children. Nodes past `room` (the cache's free slots) are left
-    out."""
+    under the previous chain node; parents before children. Nodes past `room` (the cache's free slots) are left
+    out. Sampled drafts give each node's law: p_chain [len(chain), vocab] and p_leaves (one row per leaf)."""
     tokens: list[int] = []
     parents: list[int] = []
+    rows: list[np.ndarray] = []
     above = -1  # the previous chain node (-1: the root)
     for depth, t in enumerate(chain):
         if len(tokens) >= room:
             break
         here = len(tokens)
-        for token in [int(t)] + [tok for tok, d in leaves if d == depth]:
+        nodes = [(int(t), None if p_chain is None else p_chain[depth])]
+        nodes += [(tok, None if p_leaves is None else p_leaves[j]) for j, (tok, d) in enumerate(leaves) if d == depth]
+        for token, row in nodes:
             if len(tokens) < room:
                 tokens.append(token)
                 parents.append(above)
+                rows.append(row)
         above = here
-    return Draft(tokens=np.asarray(tokens, dtype=np.int64), parents=np.asarray(parents, dtype=np.int64))
+    p_draft = None if p_chain is None else np.asarray(rows, dtype=np.float32).reshape(len(tokens), p_chain.shape[1])
+    return Draft(tokens=np.asarray(tokens, dtype=np.int64), p_draft=p_draft,
+                 parents=np.asarray(parents, dtype=np.int64))
 
 
 @runtime_checkable

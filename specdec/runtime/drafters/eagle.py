@@ -15,7 +15,7 @@ import numpy as np
 from specdec.runtime.decoder import MAX_STEP, Decoder
 from specdec.runtime.drafters.base import Draft, chain_with_leaves
 from specdec.runtime.drafters.draft_model import CONFIDENCE_STOP, draft_confidence
-from specdec.runtime.sampling import SamplingConfig, probs_from_logits, sample
+from specdec.runtime.sampling import SamplingConfig, probs_from_logits, sample_distinct
 
 
 class EagleHead:
@@ -33,8 +33,8 @@ class EagleHead:
 class EagleDrafter:
     def __init__(self, target: Decoder, head: EagleHead, confidence_stop: float = CONFIDENCE_STOP,
                  siblings: tuple[int, ...] = ()) -> None:
-        """`siblings[d]`: the head's next-best tokens at draft depth d+1 added as leaves beside the chain's token
-        (greedy decoding on a tree-capable target only); () drafts a plain chain."""
+        """`siblings[d]`: the head's next-best tokens at draft depth d+1 (greedy; sampling: further draws without
+        replacement) added as leaves beside the chain's token, on a tree-capable target; () drafts a plain chain."""
         if not 0.0 <= confidence_stop < 1.0:
             raise ValueError(f"confidence_stop must be in [0, 1), got {confidence_stop}")
         if any(n < 0 for n in siblings):
@@ -91,23 +91,30 @@ class EagleDrafter:
             return Draft(tokens=np.zeros(0, dtype=np.int64))
         logits, feature = self._catch_up(context)
         tokens = np.empty(k, dtype=np.int64)  # [k]
-        p_draft = None if self.sampling.greedy else np.zeros((k, self.target.model.vocab_size), dtype=np.float32)  # [k, vocab]
+        vocab_size = self.target.model.vocab_size
+        p_draft = None if self.sampling.greedy else np.zeros((k, vocab_size), dtype=np.float32)  # [k, vocab]
         n = k
         leaves: list[tuple[int, int]] = []  # (token, depth index) of the tree's extra leaves
-        tree = p_draft is None and any(self.siblings)
+        p_leaves: list[np.ndarray] = []  # sampling: the law each leaf was drawn from, [vocab] each
+        tree = any(self.siblings)
         try:
             for i in range(k):
+                extra = self.siblings[i] if tree and i < len(self.siblings) else 0
                 if p_draft is None:
                     j = int(np.argmax(logits))
                     confidence = draft_confidence(logits, j, None)
-                    extra = self.siblings[i] if tree and i < len(self.siblings) else 0
                     if extra:
                         best = np.argpartition(-logits, extra)[:extra + 1]  # [extra+1] unordered top
                         leaves += [(int(self.vocab[t]), i) for t in best[np.argsort(-logits[best])][1:]]
                 else:  # drafts come from the draft vocabulary only: p_draft is 0 elsewhere, still exact
                     p_small = probs_from_logits(logits, self.sampling)  # [N]
-                    j = sample(p_small, self.rng)
-                    p_draft[i, self.vocab] = p_small
+                    picks, laws = sample_distinct(p_small, 1 + extra, self.rng)  # siblings without replacement
+                    j = picks[0]
+                    p_draft[i, self.vocab] = laws[0]
+                    for t, law in zip(picks[1:], laws[1:]):
+                        leaves.append((int(self.vocab[t]), i))
+                        p_leaves.append(np.zeros(vocab_size, dtype=np.float32))
+                        p_leaves[-1][self.vocab] = law
                     confidence = float(p_small[j])
                 tokens[i] = self.vocab[j]
                 if i == k - 1 or confidence < self.confidence_stop:
@@ -118,9 +125,11 @@ class EagleDrafter:
                 kv.advance(1)
         finally:
             kv.truncate(n_target)  # entries made from predicted features go; the real ones stay
+        p_draft = None if p_draft is None else p_draft[:n]
         if tree:
-            return chain_with_leaves(tokens[:n], leaves, self.target.kv.max_len - n_target - 1)
-        return Draft(tokens=tokens[:n], p_draft=None if p_draft is None else p_draft[:n])
+            return chain_with_leaves(tokens[:n], leaves, self.target.kv.max_len - n_target - 1, p_draft,
+                                     None if p_draft is None else p_leaves)
+        return Draft(tokens=tokens[:n], p_draft=p_draft)
 
     def accept(self, n_accepted: int, next_token: int) -> None:
         pass  # the target kept the accepted positions' features; the next propose reads them

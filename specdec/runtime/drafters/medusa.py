@@ -13,7 +13,7 @@ import numpy as np
 from specdec.runtime.decoder import Decoder
 from specdec.runtime.drafters.base import Draft, chain_with_leaves
 from specdec.runtime.drafters.draft_model import CONFIDENCE_STOP, draft_confidence
-from specdec.runtime.sampling import SamplingConfig, probs_from_logits, sample
+from specdec.runtime.sampling import SamplingConfig, probs_from_logits, sample_distinct
 from specdec.runtime.split import ExitHead
 
 
@@ -21,7 +21,8 @@ class MedusaDrafter:
     def __init__(self, target: Decoder, heads: ExitHead, confidence_stop: float = CONFIDENCE_STOP,
                  siblings: tuple[int, ...] = ()) -> None:
         """`heads` maps a residual stream [hidden] to logits [K, N] over heads.vocab; `siblings[d]` next-best
-        guesses of head d become leaves beside the chain (greedy, tree-capable target only)."""
+        guesses of head d (sampling: further draws without replacement) become leaves beside the chain
+        (tree-capable target only)."""
         if not 0.0 <= confidence_stop < 1.0:
             raise ValueError(f"confidence_stop must be in [0, 1), got {confidence_stop}")
         if any(siblings) and not target.spec.has_tree_bias:
@@ -45,31 +46,40 @@ class MedusaDrafter:
         k = min(k, logits.shape[0], self.target.kv.max_len - n_target - 1)
         vocab = self.heads.vocab
         greedy = self.sampling.greedy
+        vocab_size = self.target.model.vocab_size
         tokens = np.empty(max(k, 0), dtype=np.int64)  # [k]
-        p_draft = None if greedy else np.zeros((max(k, 0), self.target.model.vocab_size), dtype=np.float32)  # [k, vocab]
+        p_draft = None if greedy else np.zeros((max(k, 0), vocab_size), dtype=np.float32)  # [k, vocab]
         leaves: list[tuple[int, int]] = []
+        p_leaves: list[np.ndarray] = []  # sampling: the law each leaf was drawn from, [vocab] each
         n = max(k, 0)
         for i in range(max(k, 0)):
             row = logits[i]  # [N]
+            extra = self.siblings[i] if i < len(self.siblings) else 0
             if greedy:
                 j = int(np.argmax(row))
                 confidence = draft_confidence(row, j, None)
-                extra = self.siblings[i] if i < len(self.siblings) else 0
                 if extra:
                     best = np.argpartition(-row, extra)[:extra + 1]
                     leaves += [(int(vocab[t]), i) for t in best[np.argsort(-row[best])][1:]]
             else:  # each head's own distribution: a valid proposal for its position (it ignores earlier drafts)
                 p_small = probs_from_logits(row, self.sampling)  # [N]
-                j = sample(p_small, self.rng)
-                p_draft[i, vocab] = p_small
+                picks, laws = sample_distinct(p_small, 1 + extra, self.rng)  # siblings without replacement
+                j = picks[0]
+                p_draft[i, vocab] = laws[0]
+                for t, law in zip(picks[1:], laws[1:]):
+                    leaves.append((int(vocab[t]), i))
+                    p_leaves.append(np.zeros(vocab_size, dtype=np.float32))
+                    p_leaves[-1][vocab] = law
                 confidence = float(p_small[j])
             tokens[i] = vocab[j]
             if confidence < self.confidence_stop:
                 n = i + 1
                 break
-        if greedy and any(self.siblings):
-            return chain_with_leaves(tokens[:n], leaves, self.target.kv.max_len - n_target - 1)
-        return Draft(tokens=tokens[:n], p_draft=None if p_draft is None else p_draft[:n])
+        p_draft = None if p_draft is None else p_draft[:n]
+        if any(self.siblings):
+            return chain_with_leaves(tokens[:n], leaves, self.target.kv.max_len - n_target - 1, p_draft,
+                                     None if greedy else p_leaves)
+        return Draft(tokens=tokens[:n], p_draft=p_draft)
 
     def accept(self, n_accepted: int, next_token: int) -> None:
         pass  # the target kept the accepted positions' states; the next propose reads the last one

@@ -1,0 +1,53 @@
+"""`specdec bench`: the side-by-side table, greedy (outputs compared) and sampled (same seed per config)."""
+from __future__ import annotations
+
+import json
+
+from test_cli import run_cli
+
+
+def _questions(path):
+    rows = [{"question_id": i, "category": cat, "turns": [text]}
+            for i, (cat, text) in enumerate([("writing", "the quick brown fox"), ("writing", "hello world, this is"),
+                                             ("qa", "a small model proposes"), ("qa", "the lazy dog")])]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_greedy_bench_compares_outputs(tiny_bundle, tmp_path):
+    out = tmp_path / "greedy.json"
+    code, stdout, err = run_cli("bench", tiny_bundle, "--questions", _questions(tmp_path / "q.jsonl"), "--limit", 0,
+                                "--configs", "ngram:3,model:2", "--max-new-tokens", 16, "--out", out)
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert result["configs"] == ["plain", "ngram:3", "model:2"]
+    assert result["categories"] == ["writing", "qa", "overall"]
+    assert all(r["identical"] is True for r in result["runs"])  # lossless: the tiny bundle's drafts are exact
+    overall = result["table"]["model:2"]["overall"]
+    assert overall["prompts"] == 4 and overall["tau"] >= 1.0 and overall["not_identical"] == 0
+    assert result["table"]["plain"]["overall"]["speedup"] == 1.0
+    assert "greedy" in stdout
+
+
+def test_sampled_bench_runs_every_config_with_one_seed(tiny_bundle, tmp_path):
+    out = tmp_path / "sampled.json"
+    args = ["bench", tiny_bundle, "--questions", _questions(tmp_path / "q.jsonl"), "--limit", 1,
+            "--configs", "model:2", "--max-new-tokens", 16, "--temperature", 0.8, "--top-p", 0.9, "--seed", 5]
+    code, stdout, err = run_cli(*args, "--out", out)
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert result["sampling"] == {"temperature": 0.8, "top_k": 0, "top_p": 0.9}
+    assert all(r["identical"] is None for r in result["runs"])  # sampled outputs are not compared
+    assert "sampling" in stdout
+    assert result["table"]["model:2"]["overall"]["prompts"] == 2
+    again = tmp_path / "again.json"
+    assert run_cli(*args, "--out", again)[0] == 0
+    tokens = lambda r: [(x["config"], x["new_tokens"], x["accepted"]) for x in r["runs"]]  # noqa: E731
+    assert tokens(json.loads(again.read_text())) == tokens(result)  # the seed fixes every run
+
+
+def test_bench_refuses_bad_sampling(tiny_bundle, tmp_path):
+    from test_cli import assert_one_error
+
+    assert_one_error(run_cli("bench", tiny_bundle, "--questions", _questions(tmp_path / "q.jsonl"),
+                             "--temperature", -1), "temperature")
