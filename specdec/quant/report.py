@@ -192,7 +192,8 @@ def _label(r: dict) -> str:
     method = q.get("method", "").replace("matmul_nbits_", "")
     finer = f"b{q['sensitive_block']}" if q.get("sensitive_block") else "8b"
     mixed = f"+{q['sensitive']:.0%} {finer}" if q.get("sensitive") else ""
-    return f"{r['precision']} {method}{mixed} blk{q.get('block_size')}/acc{q.get('accuracy_level')}"
+    order = " act-order" if q.get("act_order") else ""
+    return f"{r['precision']} {method}{order}{mixed} blk{q.get('block_size')}/acc{q.get('accuracy_level')}"
 
 
 def render(reports: dict | list[dict]):

@@ -41,6 +41,7 @@ class WeightQuantConfig:
     # sensitive_block, at 4 bits in smaller blocks (CPUs without fast 8-bit fp32-activation kernels: AVX2).
     sensitive: float = 0.0
     sensitive_block: int | None = None
+    act_order: bool = False  # gptq: walk the columns by decreasing input energy (see gptq())
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8) or self.head_bits not in (None, 4, 8, 32):
@@ -53,6 +54,8 @@ class WeightQuantConfig:
             raise ValueError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
         if self.method in ("hqq", "gptq") and self.bits != 4:
             raise ValueError(f"method {self.method} quantizes to 4 bits only; use rtn or minmax for 8")
+        if self.act_order and self.method != "gptq":
+            raise ValueError(f"act_order is a GPTQ option, not one of method {self.method!r}")
         if not 0.0 <= self.sensitive <= 1.0 or (self.sensitive and self.bits != 4):
             raise ValueError(f"sensitive must be in [0, 1] and applies to 4-bit weights, got {self.sensitive}")
         if self.sensitive_block is not None and not (16 <= self.sensitive_block < self.block_size
@@ -271,11 +274,13 @@ def _dequantize(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, bit
     return deq.reshape(N, K).T
 
 
-def gptq(W: np.ndarray, H: np.ndarray, bits: int, bs: int, symmetric: bool) -> tuple:
-    """GPTQ rounding of W [K, N] for inputs with Gram matrix H = X^T X [K, K]: columns of K are rounded in
-    order, each one's rounding error spread over the not-yet-rounded ones through the inverse Hessian, so the
+def gptq(W: np.ndarray, H: np.ndarray, bits: int, bs: int, symmetric: bool, act_order: bool = False) -> tuple:
+    """GPTQ rounding of W [K, N] for inputs with Gram matrix H = X^T X [K, K]: columns of K are rounded one by
+    one, each one's rounding error spread over the not-yet-rounded ones through the inverse Hessian, so the
     layer's output on X moves least. Block scales are set (like _grid) from the block's values when the walk
-    reaches it. Returns _grid's (q [N,nb,bs], scale [N,nb], offset [N,nb] or None)."""
+    reaches it. `act_order`: the walk takes the columns with the largest input energy (diag H) first, while
+    they can still absorb the most error; the blocks then mix in the walk, so their scales are fixed first from
+    the original weights ("static groups"). Returns _grid's (q [N,nb,bs], scale [N,nb], offset [N,nb] or None)."""
     K, N = W.shape
     Wt = np.array(W.T, dtype=np.float64)  # [N, K]: GPTQ works on rows = outputs
     H = np.array(H, dtype=np.float64)
@@ -283,28 +288,35 @@ def gptq(W: np.ndarray, H: np.ndarray, bits: int, bs: int, symmetric: bool) -> t
     H[dead, dead] = 1.0
     Wt[:, dead] = 0.0
     H[np.diag_indices(K)] += GPTQ_DAMP * np.mean(np.diag(H))
+    nb = K // bs
+    scale, offset = np.empty((N, nb)), np.zeros((N, nb))  # [N, nb]
+    order = np.arange(K)  # [K] column walked at step j
+    if act_order:
+        order = np.argsort(-np.diag(H), kind="stable")
+        _, static_scale, static_offset, _ = _grid(Wt.reshape(N, nb, bs), bits, symmetric)
+        scale[:] = static_scale
+        offset[:] = 0.0 if static_offset is None else static_offset
+        Wt, H = Wt[:, order], H[np.ix_(order, order)]
     U = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: inv(H) = U^T U
     q = np.empty((N, K), dtype=np.uint8)
-    scales, offsets = [], []
     lo, hi = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if symmetric else (0, 2 ** bits - 1)
-    for b0 in range(0, K, bs):  # one quantization block at a time; later columns get its error in one GEMM
+    for b0 in range(0, K, bs):  # bs walked columns at a time; later columns get their error in one GEMM
         b1 = b0 + bs
         block = Wt[:, b0:b1].copy()  # [N, bs]
-        _, sb, ob, _ = _grid(block[:, None, :], bits, symmetric)  # this block's grid, from its current values
-        sb = sb[:, 0]
-        ob = np.zeros(N) if ob is None else ob[:, 0]
-        scales.append(sb)
-        offsets.append(None if symmetric else ob)
+        if not act_order:  # the walk's chunk is a quantization block: its grid from its current values
+            _, sb, ob, _ = _grid(block[:, None, :], bits, symmetric)
+            scale[:, b0 // bs] = sb[:, 0]
+            offset[:, b0 // bs] = 0.0 if ob is None else ob[:, 0]
         errors = np.empty((N, bs))  # [N, bs]
         for j in range(bs):
+            column = order[b0 + j]
+            sb, ob = scale[:, column // bs], offset[:, column // bs]  # [N] its quantization block's grid
             qj = np.clip(np.rint((block[:, j] - ob) / sb), lo, hi)
-            q[:, b0 + j] = qj - lo
+            q[:, column] = qj - lo
             errors[:, j] = (block[:, j] - (sb * qj + ob)) / U[b0 + j, b0 + j]
             block[:, j + 1:] -= np.outer(errors[:, j], U[b0 + j, b0 + j + 1:b1])
         Wt[:, b1:] -= errors @ U[b0:b1, b1:]
-    scale = np.stack(scales, 1).astype(np.float32)  # [N, nb]
-    offset = None if offsets[0] is None else np.stack(offsets, 1).astype(np.float32)
-    return q.reshape(N, K // bs, bs), scale, offset
+    return q.reshape(N, nb, bs), scale.astype(np.float32), None if symmetric else offset.astype(np.float32)
 
 
 # Target presets: fp32 activations (accuracy_level 0), so a T-token verification computes what T single
@@ -481,7 +493,7 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, finer: set[st
             symmetric = cfg.symmetric or padded
             if cfg.method == "gptq" and bits == cfg.bits:
                 H = _pad(_pad(grams[w_name], bs).T, bs)  # [K', K']: padded inputs are dead columns
-                (q, scale, offset), how = gptq(_pad(W, bs), H, bits, bs, symmetric), "gptq"
+                (q, scale, offset), how = gptq(_pad(W, bs), H, bits, bs, symmetric, cfg.act_order), "gptq"
             else:
                 (q, scale, offset, _), how = _grid(blocks, bits, symmetric), "rtn"
         key = f"{bits}bit_{'sym' if symmetric else 'asym'}_{how}" + (f"_b{bs}" if bs != cfg.block_size else "")
