@@ -36,10 +36,11 @@ class BenchConfig:
     @classmethod
     def parse(cls, text: str) -> "BenchConfig":
         kind, _, k = text.partition(":")
-        if kind not in ("ngram", "model", "hybrid", "layerskip", "eagle", "eagle-tree", "medusa", "medusa-tree",
-                        "none", PLAIN):
+        if kind not in ("ngram", "model", "hybrid", "hybrid-tree", "layerskip", "eagle", "eagle-tree", "medusa",
+                        "medusa-tree", "none", PLAIN):
             raise SpecdecError(f"unknown bench config {text!r}",
-                               "use DRAFTER:K with DRAFTER ngram|model|hybrid|layerskip|eagle[-tree]|medusa[-tree], K an integer or auto")
+                               "use DRAFTER:K with DRAFTER ngram|model|hybrid[-tree]|layerskip|eagle[-tree]|medusa[-tree], K an integer "
+                               "or auto")
         if kind in ("none", PLAIN):
             return cls("none", 0)
         if k != "auto" and not (k.isdigit() and int(k) > 0):

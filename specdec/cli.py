@@ -328,10 +328,10 @@ def generation_options(fn):
         click.option("--seed", type=int, default=None, help="Seed for sampling."),
         click.option("--draft-len", callback=_parse_draft_len, default=None,
                      help="Drafted tokens per round: K, 'auto', or 0 for plain decoding (default: the bundle's)."),
-        click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid", "layerskip", "eagle", "eagle-tree", "medusa",
-                                                       "medusa-tree"]), default=None,
+        click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid", "hybrid-tree", "layerskip", "eagle",
+                                                       "eagle-tree", "medusa", "medusa-tree"]), default=None,
                      help="Override the bundle's drafter (hybrid = n-gram lookup where it matches, the draft model "
-                          "or EAGLE head elsewhere)."),
+                          "or EAGLE/Medusa heads elsewhere; hybrid-tree = both as branches of one tree)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--max-len", type=int, default=None, help="KV buffer length in tokens (default: the bundle's)."),
         click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default=None,
@@ -606,7 +606,8 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, th
     engine = specdec.load(bundle, max_len=max_len, runtime=runtime)
     wanted = [BenchConfig.parse(c.strip()) for c in configs.split(",") if c.strip()]
     kind = engine.manifest.drafter.kind
-    unusable = {"model": kind != "model", "hybrid": kind not in ("model", "eagle", "medusa"), "eagle": kind != "eagle",
+    unusable = {"model": kind != "model", "hybrid": kind not in ("model", "eagle", "medusa"),
+                "hybrid-tree": kind not in ("eagle", "medusa"), "eagle": kind != "eagle",
                 "eagle-tree": kind != "eagle", "medusa": kind != "medusa", "medusa-tree": kind != "medusa",
                 "layerskip": kind != "layerskip"}
     skipped = [c.name for c in wanted if unusable.get(c.drafter, False)]

@@ -459,6 +459,35 @@ def test_the_tree_check_rejects_a_wrong_rule(pair, monkeypatch):
     assert marginal_pvalue(pair.p0, first) < 1e-6
 
 
+def test_a_lookup_branch_beside_sampled_siblings_stays_lossless(pair):
+    """hybrid-tree's shape: a deterministic lookup chain (one-hot rows, tokens set by the round number) first
+    under the root, then siblings drawn from q0 that do not avoid the lookup's token, then one child under the
+    first sampled sibling. Every node's row is the law it was drawn from, so the output is the target's."""
+    from specdec.runtime.acceptance import tree_speculative_accept
+    from specdec.runtime.sampling import sample_distinct
+
+    rng = np.random.default_rng(23)
+    eye = np.eye(VOCAB)
+    parents = np.array([-1, 0, -1, -1, 3])
+    rounds = ROUNDS // 2
+    first = np.empty(rounds, dtype=np.int64)
+    second = np.empty(rounds, dtype=np.int64)
+    for r in range(rounds):
+        lookup = [r % VOCAB, (r // VOCAB) % VOCAB]  # any deterministic choice
+        top, top_rows = sample_distinct(pair.q0, 2, rng)
+        under, under_rows = sample_distinct(pair.Q[top[0]], 1, rng)
+        tokens = np.array(lookup + top + under)  # [5]
+        p_draft = np.concatenate([eye[lookup], top_rows, under_rows])  # [5, vocab]
+        p_target = np.concatenate([pair.p0[None], pair.T[tokens]])  # [6, vocab]
+        path, token = tree_speculative_accept(tokens, parents, p_draft, p_target, rng)
+        emitted = [int(t) for t in tokens[path]] + [token]
+        if len(emitted) == 1:
+            emitted.append(int(draw_rows(pair.T[emitted[:1]], rng)[0]))
+        first[r], second[r] = emitted[:2]
+    assert marginal_pvalue(pair.p0, first) > 1e-4
+    assert joint_pvalue(pair, first, second) > 1e-4
+
+
 @settings(max_examples=100, deadline=None)
 @given(p=distributions, m=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
 def test_sample_distinct_draws_each_token_from_the_depleted_law(p, m, seed):

@@ -304,3 +304,65 @@ def test_training_continues_from_a_heads_file(tiny_checkpoint, data, trained, tm
         assert (a["vocab"] == b["vocab"]).all()  # the head keeps the draft vocabulary it was trained with
     # It starts where the first training ended, not from scratch.
     assert report["first_loss"] < trained[1]["first_loss"]
+
+
+# ---- hybrid-tree: the lookup's chain and the head's tree as branches of one tree
+
+REPEATING = ("the quick brown fox jumps over the lazy dog, the quick brown fox jumps over",
+             "one two three four, one two three four, one two three")
+
+
+def _spy(eng):
+    drafts = []
+    real = eng.drafter.propose
+    eng.drafter.propose = lambda ctx, k: drafts.append(real(ctx, k)) or drafts[-1]
+    return drafts
+
+
+@pytest.mark.parametrize("k", [2, 4, "auto"])
+def test_greedy_hybrid_tree_output_is_plain_greedy(eagle_bundle, k):
+    eng = specdec.load(eagle_bundle, drafter="hybrid-tree")
+    drafts = _spy(eng)
+    for prompt in REPEATING + ("hello world, this is",):
+        plain = eng.generate(prompt, GenerationConfig(max_new_tokens=40, draft_len=0))
+        assert eng.generate(prompt, GenerationConfig(max_new_tokens=40, draft_len=k)).token_ids == plain.token_ids
+    both = [d for d in drafts if d.parents is not None and (d.parents == -1).sum() > 1]
+    assert both  # rounds where lookup and head branched side by side
+
+
+def test_sampled_hybrid_tree_repeats_under_a_seed_and_keeps_each_nodes_law(eagle_bundle):
+    eng = specdec.load(eagle_bundle, drafter="hybrid-tree")
+    drafts = _spy(eng)
+    cfg = GenerationConfig(max_new_tokens=32, draft_len=3, seed=4, sampling=SamplingConfig(temperature=0.8))
+    first = eng.generate(REPEATING[0], cfg)
+    assert eng.generate(REPEATING[0], cfg).token_ids == first.token_ids
+    for d in drafts:
+        if d.p_draft is None:  # a lookup-only chain (no head branch drafted): deterministic
+            continue
+        np.testing.assert_allclose(d.p_draft.sum(axis=1), 1.0, rtol=1e-5)
+        assert (d.p_draft[np.arange(d.tokens.size), d.tokens] > 0).all()
+
+
+def test_hybrid_tree_needs_heads(tiny_bundle):
+    with pytest.raises(SpecdecError, match="no EAGLE or Medusa heads"):
+        specdec.load(tiny_bundle, drafter="hybrid-tree")
+
+
+def test_merged_drafts_share_prefixes_when_greedy_and_keep_laws_when_sampling():
+    from specdec.runtime.drafters.base import Draft
+    from specdec.runtime.drafters.hybrid import merge_drafts
+
+    lookup = Draft(tokens=np.array([5, 6, 7]))  # a chain
+    head = Draft(tokens=np.array([5, 9, 6, 8]), parents=np.array([-1, -1, 0, 2]))  # 5 -> 6 -> 8, and 9
+    merged = merge_drafts(lookup, head, max_nodes=16, merge_equal=True)
+    assert merged.tokens.tolist() == [5, 6, 7, 9, 8] and merged.parents.tolist() == [-1, 0, 1, -1, 1]
+    assert merged.p_draft is None and merged.k == 3
+    # A cap drops nodes past it, and the children of dropped nodes with them.
+    capped = merge_drafts(lookup, head, max_nodes=4, merge_equal=True)
+    assert capped.tokens.tolist() == [5, 6, 7, 9] and capped.parents.tolist() == [-1, 0, 1, -1]
+    rows = np.full((4, 10), 0.1, dtype=np.float32)
+    sampled = merge_drafts(lookup, Draft(tokens=head.tokens, parents=head.parents, p_draft=rows), 16, merge_equal=False)
+    assert sampled.tokens.tolist() == [5, 6, 7, 5, 9, 6, 8]  # no sharing: every node keeps its own row
+    assert sampled.parents.tolist() == [-1, 0, 1, -1, -1, 3, 5]
+    np.testing.assert_array_equal(sampled.p_draft[:3], np.eye(10, dtype=np.float32)[[5, 6, 7]])  # one-hot lookups
+    np.testing.assert_array_equal(sampled.p_draft[3:], rows)

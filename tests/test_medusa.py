@@ -55,7 +55,8 @@ def test_heads_graph_computes_the_trained_heads(tiny_checkpoint, trained, bundle
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("drafter,k", [("medusa", 2), ("medusa", 3), ("medusa-tree", 3), ("hybrid", "auto")])
+@pytest.mark.parametrize("drafter,k", [("medusa", 2), ("medusa", 3), ("medusa-tree", 3), ("hybrid", "auto"),
+                                      ("hybrid-tree", 3)])
 def test_greedy_medusa_output_is_plain_greedy(bundle, drafter, k):
     eng = specdec.load(bundle, drafter=drafter)
     for prompt in ("the quick brown fox", "hello world, this is"):

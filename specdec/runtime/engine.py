@@ -15,7 +15,7 @@ from typing import Iterator, Sequence, Union
 import numpy as np
 
 from specdec.errors import SpecdecError
-from specdec.runtime.decoder import Decoder
+from specdec.runtime.decoder import MAX_STEP, Decoder
 from specdec.runtime.draft_len import AdaptiveDraftLen, DraftLenPolicy, FixedDraftLen, choose_policy, median_seconds
 from specdec.runtime.drafters.base import Drafter
 from specdec.runtime.drafters.draft_model import ModelDrafter
@@ -157,9 +157,10 @@ class Engine:
 
     def use_drafter(self, kind: str) -> None:
         """Switch drafter ("none", "ngram", "model", "hybrid", "layerskip", "eagle", "eagle-tree", "medusa",
-        "medusa-tree"); each is built once and kept. The "-tree" kinds verify the chain plus the heads' next-best
-        tokens (TREE_SIBLINGS) as one token tree.
-        "hybrid" is n-gram lookup where it matches and the bundle's draft model or EAGLE head elsewhere."""
+        "medusa-tree", "hybrid-tree"); each is built once and kept. The "-tree" kinds verify the chain plus the
+        heads' next-best tokens (TREE_SIBLINGS) as one token tree.
+        "hybrid" is n-gram lookup where it matches and the bundle's draft model or EAGLE/Medusa heads elsewhere;
+        "hybrid-tree" drafts with both where the lookup matches and verifies them as branches of one tree."""
         if kind not in self._drafters:
             self._drafters[kind] = self._make_drafter(kind)
         self.drafter_kind, self.drafter = kind, self._drafters[kind]
@@ -184,29 +185,34 @@ class Engine:
             return None
         if kind == "ngram":
             return NgramDrafter(max_ngram=m.drafter.max_ngram)
-        if kind in ("eagle", "eagle-tree") or (kind == "hybrid" and m.drafter.kind == "eagle"):
+        heads_hybrid = kind in ("hybrid", "hybrid-tree") and m.drafter.kind in ("eagle", "medusa")
+        if kind == "hybrid-tree" and not heads_hybrid:
+            raise SpecdecError(f"bundle {self.path} has no EAGLE or Medusa heads to branch beside the lookup",
+                               "use --drafter hybrid, or a bundle exported with --drafter eagle or medusa")
+        if kind in ("eagle", "eagle-tree") or (heads_hybrid and m.drafter.kind == "eagle"):
             if m.drafter.kind != "eagle" or not isinstance(self.target, Decoder):
                 raise SpecdecError(f"bundle {self.path} has no EAGLE head", "re-export with --drafter eagle")
-            if kind == "eagle-tree" and not self.target.spec.has_tree_bias:  # bundles from before tree verification
+            if kind in ("eagle-tree", "hybrid-tree") and not self.target.spec.has_tree_bias:  # bundles from before trees
                 raise SpecdecError(f"bundle {self.path}'s target graph cannot verify token trees",
                                    "re-export it with this specdec version")
             if self._eagle_head is None:
                 self._eagle_head = EagleHead(self._decoder(m.drafter.graph), np.load(self.path / m.drafter.draft_vocab))
-            siblings = TREE_SIBLINGS if kind == "eagle-tree" else ()
+            siblings = TREE_SIBLINGS if kind in ("eagle-tree", "hybrid-tree") else ()
             eagle = EagleDrafter(self.target, self._eagle_head, siblings=siblings)
-            if kind != "hybrid":
+            if kind in ("eagle", "eagle-tree"):
                 return eagle
-            return HybridDrafter(NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM), eagle)
-        if kind in ("medusa", "medusa-tree") or (kind == "hybrid" and m.drafter.kind == "medusa"):
+            return self._hybrid(eagle, tree=kind == "hybrid-tree")
+        if kind in ("medusa", "medusa-tree") or (heads_hybrid and m.drafter.kind == "medusa"):
             if m.drafter.kind != "medusa" or not isinstance(self.target, Decoder):
                 raise SpecdecError(f"bundle {self.path} has no Medusa heads", "re-export with --drafter medusa")
             if self._medusa_heads is None:
                 self._medusa_heads = ExitHead(self.path / m.drafter.heads, np.load(self.path / m.drafter.draft_vocab),
                                               self.runtime)
-            medusa = MedusaDrafter(self.target, self._medusa_heads, siblings=TREE_SIBLINGS if kind == "medusa-tree" else ())
-            if kind != "hybrid":
+            medusa = MedusaDrafter(self.target, self._medusa_heads,
+                                   siblings=TREE_SIBLINGS if kind in ("medusa-tree", "hybrid-tree") else ())
+            if kind in ("medusa", "medusa-tree"):
                 return medusa
-            return HybridDrafter(NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM), medusa)
+            return self._hybrid(medusa, tree=kind == "hybrid-tree")
         if kind in ("model", "hybrid"):
             if m.drafter.graph is None:
                 raise SpecdecError(f"bundle {self.path} has no draft model", "re-export with --drafter self-int8 or model:PATH")
@@ -225,8 +231,15 @@ class Engine:
                 raise SpecdecError(f"bundle {self.path} has no LayerSkip exit", "re-export with --drafter layerskip")
             vocab = np.load(self.path / m.drafter.draft_vocab)
             return LayerSkipDrafter(self.target, ExitHead(self.path / m.drafter.exit_head, vocab, self.runtime))
-        raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram, model, hybrid, layerskip, eagle, eagle-tree, "
-                                                        "medusa or medusa-tree")
+        raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram, model, hybrid, hybrid-tree, layerskip, eagle, "
+                                                        "eagle-tree, medusa or medusa-tree")
+
+    def _hybrid(self, heads: Drafter, tree: bool) -> HybridDrafter:
+        """Lookup where it matches, else `heads`; `tree`: both as branches of one tree where the lookup matches."""
+        lookup = NgramDrafter(max_ngram=self.manifest.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM)
+        kv = self.target.kv
+        room = (lambda: min(kv.max_len - int(kv.lengths[0]) - 1, MAX_STEP - 1)) if tree else None
+        return HybridDrafter(lookup, heads, room=room)
 
     def _draft_len_policy(self, draft_len: int | str | None) -> DraftLenPolicy | None:
         if draft_len is None:

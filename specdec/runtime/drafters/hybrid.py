@@ -1,11 +1,13 @@
-"""Prompt lookup where the text repeats, a draft model everywhere else.
+"""Prompt lookup where the text repeats, a draft model everywhere else; or both at once, as one token tree.
 
 The two win on different text: lookup drafts are free and long where the answer copies the prompt
-(summaries, extraction, code edits); a draft model is right most of the time on free writing.
+(summaries, extraction, code edits); a draft model is right most of the time on free writing. Where a lookup
+match is wrong the model's guess is often right, so with `branches` the lookup's chain and the model's draft
+hang side by side under the round's input and the target verifies both in one step.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -19,16 +21,25 @@ LOOKUP_MIN_NGRAM = 2
 
 
 class HybridDrafter:
-    def __init__(self, lookup: NgramDrafter, model: Drafter) -> None:
-        self.lookup, self.model = lookup, model
+    def __init__(self, lookup: NgramDrafter, model: Drafter, room: Callable[[], int] | None = None) -> None:
+        """`room`: given, where the lookup matches, draft with both and verify the two drafts as branches of one
+        tree of at most room() nodes (the target must take a tree attention bias). Only for drafters that keep
+        nothing from their proposals (EAGLE and Medusa heads read the target's own states), since the path
+        accepted may be the lookup's."""
+        self.lookup, self.model, self.room = lookup, model, room
+        self.branches = room is not None
         self._last: Drafter = model
+        self.sampling = SamplingConfig()
 
     def begin(self, prompt_ids: Sequence[int], sampling: SamplingConfig, rng: np.random.Generator) -> None:
+        self.sampling = sampling
         self.lookup.begin(prompt_ids, sampling, rng)
         self.model.begin(prompt_ids, sampling, rng)
 
     def source(self, context: Sequence[int]) -> str:
-        return "lookup" if self.lookup.has_match(context) else "model"
+        if not self.lookup.has_match(context):
+            return "model"
+        return "both" if self.branches else "lookup"
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         draft = self.lookup.propose(context, k)
@@ -37,7 +48,54 @@ class HybridDrafter:
             # The model drafter catches up on the tokens decided in lookup rounds inside propose().
             draft = self.model.propose(context, k)
             self._last = self.model
+        elif self.branches:
+            draft = merge_drafts(draft, self.model.propose(context, k), self.room(), merge_equal=self.sampling.greedy)
         return draft
 
     def accept(self, n_accepted: int, next_token: int) -> None:
         self._last.accept(n_accepted, next_token)
+
+
+def merge_drafts(first: Draft, second: Draft, max_nodes: int, merge_equal: bool) -> Draft:
+    """One tree holding both drafts under the round's input, `first`'s nodes first, cut at max_nodes nodes (a
+    node whose parent was cut goes too).
+
+    merge_equal (greedy): a node of `second` equal to a sibling already in the tree is that node, so shared
+    prefixes are verified once. Sampling keeps every node apart: each node's row must stay the law it was drawn
+    from, and a duplicate is simply rejected (the residual has no mass left on its token). A deterministic
+    draft's nodes (p_draft None) get one-hot rows when the other draft samples.
+    """
+    def nodes(d: Draft) -> tuple[np.ndarray, np.ndarray]:
+        parents = d.parents if d.parents is not None else np.arange(d.tokens.shape[0]) - 1  # a chain
+        return d.tokens, parents
+
+    sampled = [d.p_draft for d in (first, second) if d.p_draft is not None]
+    vocab = sampled[0].shape[1] if sampled else 0
+    tokens: list[int] = []
+    parents: list[int] = []
+    rows: list[np.ndarray] = []
+    for d in (first, second):
+        where: dict[int, int] = {}  # d's node -> merged node
+        for i, (token, parent) in enumerate(zip(*nodes(d))):
+            up = -1 if parent < 0 else where.get(int(parent))
+            if up is None:
+                continue
+            same = [j for j in range(len(tokens)) if parents[j] == up and tokens[j] == token] if merge_equal else []
+            if same:
+                where[i] = same[0]
+                continue
+            if len(tokens) >= max_nodes:
+                continue
+            where[i] = len(tokens)
+            tokens.append(int(token))
+            parents.append(up)
+            if sampled:
+                if d.p_draft is None:
+                    row = np.zeros(vocab, dtype=np.float32)  # [vocab]
+                    row[token] = 1.0
+                else:
+                    row = d.p_draft[i]
+                rows.append(row)
+    return Draft(tokens=np.asarray(tokens, dtype=np.int64),
+                 p_draft=np.asarray(rows, dtype=np.float32).reshape(len(tokens), vocab) if sampled else None,
+                 parents=np.asarray(parents, dtype=np.int64))
