@@ -12,7 +12,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from specdec.runtime.acceptance import check_tree, tree_depths
-from specdec.runtime.sampling import SamplingConfig
+from specdec.runtime.sampling import SamplingConfig, sample_distinct
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,18 @@ def chain_with_leaves(chain: np.ndarray, leaves: list[tuple[int, int]], room: in
     p_draft = None if p_chain is None else np.asarray(rows, dtype=np.float32).reshape(len(tokens), p_chain.shape[1])
     return Draft(tokens=np.asarray(tokens, dtype=np.int64), p_draft=p_draft,
                  parents=np.asarray(parents, dtype=np.int64))
+
+
+def sample_with_siblings(p_small: np.ndarray, extra: int, vocab: np.ndarray, vocab_size: int,
+                         rng: np.random.Generator) -> tuple[int, np.ndarray, list[int], list[np.ndarray]]:
+    """A head's sampled draft at one depth: the chain's token and `extra` siblings, drawn without replacement from
+    its law p_small [N] over the draft vocabulary `vocab` (target ids). Returns (the chain token's index in
+    `vocab`, its law widened to the target's vocabulary [vocab_size], the siblings' target ids, each sibling's
+    law [vocab_size]: p_small without the tokens drawn before it, as tree_speculative_accept needs)."""
+    picks, laws = sample_distinct(p_small, 1 + extra, rng)  # [m], [m, N]
+    wide = np.zeros((len(picks), vocab_size), dtype=np.float32)  # [m, vocab]
+    wide[:, vocab] = laws
+    return picks[0], wide[0], [int(vocab[t]) for t in picks[1:]], list(wide[1:])
 
 
 @runtime_checkable

@@ -13,9 +13,9 @@ from typing import Sequence
 import numpy as np
 
 from specdec.runtime.decoder import MAX_STEP, Decoder
-from specdec.runtime.drafters.base import Draft, chain_with_leaves
+from specdec.runtime.drafters.base import Draft, chain_with_leaves, sample_with_siblings
 from specdec.runtime.drafters.draft_model import CONFIDENCE_STOP, draft_confidence
-from specdec.runtime.sampling import SamplingConfig, probs_from_logits, sample_distinct
+from specdec.runtime.sampling import SamplingConfig, probs_from_logits
 
 
 class EagleHead:
@@ -108,13 +108,9 @@ class EagleDrafter:
                         leaves += [(int(self.vocab[t]), i) for t in best[np.argsort(-logits[best])][1:]]
                 else:  # drafts come from the draft vocabulary only: p_draft is 0 elsewhere, still exact
                     p_small = probs_from_logits(logits, self.sampling)  # [N]
-                    picks, laws = sample_distinct(p_small, 1 + extra, self.rng)  # siblings without replacement
-                    j = picks[0]
-                    p_draft[i, self.vocab] = laws[0]
-                    for t, law in zip(picks[1:], laws[1:]):
-                        leaves.append((int(self.vocab[t]), i))
-                        p_leaves.append(np.zeros(vocab_size, dtype=np.float32))
-                        p_leaves[-1][self.vocab] = law
+                    j, p_draft[i], siblings, laws = sample_with_siblings(p_small, extra, self.vocab, vocab_size, self.rng)
+                    leaves += [(t, i) for t in siblings]
+                    p_leaves += laws
                     confidence = float(p_small[j])
                 tokens[i] = self.vocab[j]
                 if i == k - 1 or confidence < self.confidence_stop:

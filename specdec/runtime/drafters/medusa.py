@@ -11,9 +11,9 @@ from typing import Sequence
 import numpy as np
 
 from specdec.runtime.decoder import Decoder
-from specdec.runtime.drafters.base import Draft, chain_with_leaves
+from specdec.runtime.drafters.base import Draft, chain_with_leaves, sample_with_siblings
 from specdec.runtime.drafters.draft_model import CONFIDENCE_STOP, draft_confidence
-from specdec.runtime.sampling import SamplingConfig, probs_from_logits, sample_distinct
+from specdec.runtime.sampling import SamplingConfig, probs_from_logits
 from specdec.runtime.split import ExitHead
 
 
@@ -63,13 +63,9 @@ class MedusaDrafter:
                     leaves += [(int(vocab[t]), i) for t in best[np.argsort(-row[best])][1:]]
             else:  # each head's own distribution: a valid proposal for its position (it ignores earlier drafts)
                 p_small = probs_from_logits(row, self.sampling)  # [N]
-                picks, laws = sample_distinct(p_small, 1 + extra, self.rng)  # siblings without replacement
-                j = picks[0]
-                p_draft[i, vocab] = laws[0]
-                for t, law in zip(picks[1:], laws[1:]):
-                    leaves.append((int(vocab[t]), i))
-                    p_leaves.append(np.zeros(vocab_size, dtype=np.float32))
-                    p_leaves[-1][vocab] = law
+                j, p_draft[i], siblings, laws = sample_with_siblings(p_small, extra, vocab, vocab_size, self.rng)
+                leaves += [(t, i) for t in siblings]
+                p_leaves += laws
                 confidence = float(p_small[j])
             tokens[i] = vocab[j]
             if confidence < self.confidence_stop:
