@@ -278,6 +278,55 @@ def test_an_exactly_quantized_tied_head_also_serves_as_the_embedding(preset, exa
             np.testing.assert_allclose(run(q), reference, rtol=0.05, atol=0.05 * np.abs(reference).max())
 
 
+def test_graphs_reading_the_target_gather_from_its_head_codes_too(tmp_path):
+    """An EAGLE head or LayerSkip exit graph gathers the embedding of a target whose embedding now comes from its
+    head's codes: it is rewritten to gather from the same codes (same output), and saved beside the target it
+    keeps no tensor of its own the size of the tied matrix."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specdec.export.graph import save_graph, save_graph_sharing
+    from specdec.quant.weight_only import SELF_DRAFT_PRESETS, gather_from_codes, head_codes, quantize_weights
+    from specdec.runtime.session import pooled_session_options
+
+    rng = np.random.default_rng(4)
+    D, V = 64, 512
+    step = np.abs(rng.standard_normal((V, D // 32, 1))) * 0.01 + 0.001
+    codes = rng.integers(-127, 128, size=(V, D // 32, 32))
+    codes[..., 0] = 127
+    E = (codes * step).reshape(V, D).T.astype(np.float32)  # [D, V] on a Q8_0 grid
+    target = quantize_weights(_tied_graph(E), SELF_DRAFT_PRESETS["self-int4"])
+    assert "GatherBlockQuantized" in [n.op_type for n in target.graph.node]
+    # The drafter: the tied embedding (columns of the [D, V] matrix), then a small matmul of its own.
+    nodes = [helper.make_node("Gather", ["lm_head.weight", "input_ids"], ["cols"], name="embed", axis=1),
+             helper.make_node("Transpose", ["cols"], ["x"], name="embed.transpose", perm=[1, 2, 0]),
+             helper.make_node("MatMul", ["x", "proj"], ["y"], name="proj")]
+    g = helper.make_graph(nodes, "d", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, None])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, None, 8])],
+                          initializer=[numpy_helper.from_array(E, "lm_head.weight"),
+                                       numpy_helper.from_array(rng.standard_normal((D, 8)).astype(np.float32), "proj")])
+    drafter = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    drafter.ir_version = 10
+    ids = np.array([[3, 300, 511, 3]])
+
+    def run(model):
+        sess = ort.InferenceSession(model.SerializeToString(), pooled_session_options(), providers=["CPUExecutionProvider"])
+        return sess.run(None, {"input_ids": ids})[0]
+
+    before = run(drafter)
+    code = head_codes(target)
+    save_graph(target, tmp_path / "target.onnx")  # saving first: the codes taken above must not depend on it
+    rewritten = gather_from_codes(drafter, code)
+    assert "GatherBlockQuantized" in [n.op_type for n in rewritten.graph.node]
+    np.testing.assert_allclose(run(rewritten), before, rtol=1e-6, atol=1e-5)  # the same embedding (fp32 rounding)
+    save_graph_sharing(rewritten, tmp_path / "drafter.onnx", tmp_path / "target.onnx")
+    own = sum(f.stat().st_size for f in tmp_path.glob("drafter.onnx*"))
+    assert own < D * V, own  # neither the fp32 table (4*D*V bytes) nor a copy of the codes (D*V)
+    # A table the codes do not stand for stays as it is.
+    other = gather_from_codes(_tied_graph(E + 1.0), code)
+    assert "GatherBlockQuantized" not in [n.op_type for n in other.graph.node]
+
+
 @pytest.mark.parametrize("method", ["minmax", "hqq"])
 def test_sensitive_weights_can_take_smaller_4bit_blocks_instead_of_8_bits(tiny_bundle, tmp_path, method):
     """Where 8-bit kernels are slow (AVX2), the sensitive weights keep 4 bits in finer blocks; every weight is

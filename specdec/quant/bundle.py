@@ -13,7 +13,8 @@ from specdec.export.bundle import SPLIT_TOLERANCE, bundle_files, staged_folder
 from specdec.export.graph import save_graph, save_graph_sharing
 from specdec.export.verify import check_against_graph
 from specdec.quant.calibration import CalibrationConfig, calibration_sequences
-from specdec.quant.weight_only import FAST_TARGET_PRESETS, TARGET_PRESETS, quantize_weights
+from specdec.quant.weight_only import (FAST_TARGET_PRESETS, TARGET_PRESETS, gather_from_codes, head_codes,
+                                        quantize_weights)
 from specdec.runtime.manifest import MANIFEST_NAME, SPLIT_GRAPHS, read_manifest
 
 
@@ -109,7 +110,13 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
             (partial / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / rel, partial / rel)
         step(f"writing target graph ({precision}{', ' + cfg.method if cfg else ''})")
-        save_graph(convert(onnx.load(str(src / g.file))), partial / g.file)
+        target_model = convert(onnx.load(str(src / g.file)))
+        # A target that gathers its embedding from its head's codes: the graphs reading its weights do too, so the
+        # tied matrix is stored once for all of them (else each would keep an fp32 copy of its own).
+        codes = head_codes(target_model) if any(n.op_type == "GatherBlockQuantized"
+                                                  for n in target_model.graph.node) else None
+        save_graph(target_model, partial / g.file)
+        del target_model
         target = replace(g, precision=precision, quant=cfg.to_dict() if cfg else {}, checks={})
         if cfg is None:
             check = check_against_graph(src / g.file, g, partial / g.file, target)
@@ -129,6 +136,8 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
                 graphs[name] = replace(spec, precision="fp16" if spec.precision == "fp32" else spec.precision,
                                        activations="fp16")
                 model = to_fp16(model)
+            if codes is not None:
+                model = gather_from_codes(model, codes)
             save_graph_sharing(model, partial / spec.file, partial / g.file)
         if m.split_target:
             from specdec.export.layerskip import check_split

@@ -125,12 +125,59 @@ def quantize_weights(model: onnx.ModelProto, cfg: WeightQuantConfig,
     return embedding_from_head(model) if cfg.quantizes_head else model
 
 
+@dataclass(frozen=True)
+class HeadCodes:
+    """A tied LM head's MatMulNBits codes as GatherBlockQuantized reads them: the codes initializer itself
+    (shared by name and bytes with the graph that holds the head), per-block scales, bits and block size."""
+
+    codes: onnx.TensorProto  # [V, nb, bs*bits/8] uint8
+    scales: np.ndarray  # [V, nb, 1] float32
+    bits: int
+    block_size: int
+
+    def dequantized(self) -> np.ndarray:
+        """The [V, K] matrix the codes stand for."""
+        from onnx import numpy_helper
+
+        V, nb = self.scales.shape[:2]
+        packed = numpy_helper.to_array(self.codes).reshape(V, nb, -1)  # [V, nb, bs*bits/8]
+        q = packed if self.bits == 8 else np.stack([packed & 15, packed >> 4], -1).reshape(V, nb, self.block_size)
+        return ((q.astype(np.float32) - 2 ** (self.bits - 1)) * self.scales).reshape(V, nb * self.block_size)
+
+
+def head_codes(model: onnx.ModelProto) -> HeadCodes | None:
+    """The codes of the graph's MatMulNBits LM head (the node writing "logits"), if it has one without zero points
+    (those are not handled) and whole blocks."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    head = next((n for n in model.graph.node if n.op_type == "MatMulNBits" and list(n.output) == ["logits"]), None)
+    if head is None or len(head.input) > 3 and head.input[3] or head.input[1] not in inits:
+        return None
+    a = {x.name: x.i for x in head.attribute}
+    if a["K"] % a["block_size"]:
+        return None
+    scales = numpy_helper.to_array(inits[head.input[2]]).reshape(a["N"], a["K"] // a["block_size"], 1)
+    codes = onnx.TensorProto()
+    codes.CopyFrom(inits[head.input[1]])  # its own copy: saving the graph may move the original's bytes out
+    return HeadCodes(codes=codes, scales=scales.astype(np.float32), bits=a["bits"], block_size=a["block_size"])
+
+
 def embedding_from_head(model: onnx.ModelProto) -> onnx.ModelProto:
     """Gather the token embedding from the quantized LM head's codes where the embedding is the head's own
     matrix (a tied model) and the head's quantization kept it exactly (a GGUF's Q8_0 head, re-encoded bit for
     bit): GatherBlockQuantized reads the head's MatMulNBits initializer itself, so the tied weights are stored
     once again instead of an fp32 copy beside 8-bit codes (113 MB on SmolLM2-135M). Elsewhere the embedding
     stays as it is: a rounded embedding would change the model, not just its storage."""
+    codes = head_codes(model)
+    return model if codes is None else gather_from_codes(model, codes)
+
+
+def gather_from_codes(model: onnx.ModelProto, codes: HeadCodes) -> onnx.ModelProto:
+    """Replace the graph's embedding lookup (a Gather of input_ids from a constant table used by it alone) by
+    GatherBlockQuantized over `codes` where the table is exactly what the codes stand for. The codes may be
+    another graph's (a quantized target's head, for its EAGLE head or LayerSkip exit graph): the copy placed
+    here has their name and bytes, so save_graph_sharing points it into that graph's file."""
     from onnx import numpy_helper
 
     inits = {t.name: t for t in model.graph.initializer}
@@ -138,13 +185,10 @@ def embedding_from_head(model: onnx.ModelProto) -> onnx.ModelProto:
     for n in model.graph.node:
         for name in n.input:
             users[name] = users.get(name, 0) + 1
-    head = next((n for n in model.graph.node if n.op_type == "MatMulNBits" and list(n.output) == ["logits"]), None)
     gather = next((n for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"
                    and n.input[0] in inits), None)
-    if head is None or gather is None or len(head.input) > 3 and head.input[3]:  # zero points: not handled here
+    if gather is None or users.get(gather.input[0]) != 1:
         return model
-    a = {x.name: x.i for x in head.attribute}
-    K, V, bits, bs = a["K"], a["N"], a["bits"], a["block_size"]
     axis = next((x.i for x in gather.attribute if x.name == "axis"), 0)
     table = numpy_helper.to_array(inits[gather.input[0]])
     table = table.T if axis == 1 else table  # [V, D]: the tied-graph layout gathers columns of [D, V]
@@ -153,25 +197,23 @@ def embedding_from_head(model: onnx.ModelProto) -> onnx.ModelProto:
         transpose = next((n for n in model.graph.node if n.op_type == "Transpose" and n.input[0] == gather.output[0]), None)
         if transpose is None or users.get(gather.output[0]) != 1:
             return model
-    if K % bs or table.shape != (V, K) or users.get(gather.input[0]) != 1:
-        return model
-    nb = K // bs
-    packed = numpy_helper.to_array(inits[head.input[1]]).reshape(V, nb, -1)  # [V, nb, bs*bits/8]
-    q = packed if bits == 8 else np.stack([packed & 15, packed >> 4], -1).reshape(V, nb, bs)
-    scales = numpy_helper.to_array(inits[head.input[2]]).reshape(V, nb, 1).astype(np.float32)
-    dequantized = ((q.astype(np.float32) - 2 ** (bits - 1)) * scales).reshape(V, K)
-    if np.abs(dequantized - table).max() > EXACT_TOLERANCE * max(float(np.abs(table).max()), 1e-30):
+    V, nb = codes.scales.shape[:2]
+    K = nb * codes.block_size
+    if table.shape != (V, K) or np.abs(codes.dequantized() - table).max() > \
+            EXACT_TOLERANCE * max(float(np.abs(table).max()), 1e-30):
         return model
     out = (transpose or gather).output[0]
-    extra = [numpy_helper.from_array(scales, "embed.scales"),
+    extra = [numpy_helper.from_array(codes.scales, "embed.scales"),
              numpy_helper.from_array(np.array([0, 0, K], dtype=np.int64), "embed.shape")]
-    ins = [head.input[1], "input_ids", "embed.scales"]
-    if bits == 8:  # MatMulNBits's implied 8-bit zero point; GatherBlockQuantized's must be given
+    if codes.codes.name not in inits:
+        extra.append(codes.codes)
+    ins = [codes.codes.name, "input_ids", "embed.scales"]
+    if codes.bits == 8:  # MatMulNBits's implied 8-bit zero point; GatherBlockQuantized's must be given
         extra.append(numpy_helper.from_array(np.full((V, nb, 1), 128, dtype=np.uint8), "embed.zero_points"))
         ins.append("embed.zero_points")
     mk = onnx.helper.make_node
     new = [mk("GatherBlockQuantized", ins, ["embed.blocks"], name="embed", domain="com.microsoft", gather_axis=0,
-              quantize_axis=2, block_size=bs, bits=bits),  # [B,T,nb,bs]
+              quantize_axis=2, block_size=codes.block_size, bits=codes.bits),  # [B,T,nb,bs]
            mk("Reshape", ["embed.blocks", "embed.shape"], [out], name="embed.reshape")]  # [B,T,D]
     nodes = []
     for n in model.graph.node:
@@ -184,6 +226,8 @@ def embedding_from_head(model: onnx.ModelProto) -> onnx.ModelProto:
     kept = [t for t in model.graph.initializer if t.name != gather.input[0]]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept + extra)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     return model
 
 
