@@ -2,7 +2,7 @@
 
 The two win on different text: lookup drafts are free and long where the answer copies the prompt
 (summaries, extraction, code edits); a draft model is right most of the time on free writing. Where a lookup
-match is wrong the model's guess is often right, so with `branches` the lookup's chain and the model's draft
+match is wrong the model's guess is often right, so given a `room` the lookup's chain and the model's draft
 hang side by side under the round's input and the target verifies both in one step.
 """
 from __future__ import annotations
@@ -27,7 +27,6 @@ class HybridDrafter:
         nothing from their proposals (EAGLE and Medusa heads read the target's own states), since the path
         accepted may be the lookup's."""
         self.lookup, self.model, self.room = lookup, model, room
-        self.branches = room is not None
         self._last: Drafter = model
         self.sampling = SamplingConfig()
 
@@ -39,7 +38,7 @@ class HybridDrafter:
     def source(self, context: Sequence[int]) -> str:
         if not self.lookup.has_match(context):
             return "model"
-        return "both" if self.branches else "lookup"
+        return "lookup" if self.room is None else "both"
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         draft = self.lookup.propose(context, k)
@@ -48,7 +47,7 @@ class HybridDrafter:
             # The model drafter catches up on the tokens decided in lookup rounds inside propose().
             draft = self.model.propose(context, k)
             self._last = self.model
-        elif self.branches:
+        elif self.room is not None:
             draft = merge_drafts(draft, self.model.propose(context, k), self.room(), merge_equal=self.sampling.greedy)
         return draft
 
