@@ -17,6 +17,7 @@ from typing import Callable
 from specdec.errors import SpecdecError
 from specdec.runtime.engine import Engine, GenerationConfig
 from specdec.runtime.sampling import SamplingConfig
+from specdec.runtime.drafters import DRAFTER_CHOICES
 from specdec.spec_bench import Prompt
 
 PLAIN = "plain"
@@ -36,11 +37,9 @@ class BenchConfig:
     @classmethod
     def parse(cls, text: str) -> "BenchConfig":
         kind, _, k = text.partition(":")
-        if kind not in ("ngram", "model", "hybrid", "hybrid-tree", "layerskip", "eagle", "eagle-tree", "medusa",
-                        "medusa-tree", "none", PLAIN):
+        if kind not in DRAFTER_CHOICES + (PLAIN,):
             raise SpecdecError(f"unknown bench config {text!r}",
-                               "use DRAFTER:K with DRAFTER ngram|model|hybrid[-tree]|layerskip|eagle[-tree]|medusa[-tree], K an integer "
-                               "or auto")
+                               f"use DRAFTER:K with DRAFTER one of {', '.join(DRAFTER_CHOICES[1:])}, K an integer or auto")
         if kind in ("none", PLAIN):
             return cls("none", 0)
         if k != "auto" and not (k.isdigit() and int(k) > 0):

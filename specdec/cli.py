@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from specdec.errors import SpecdecError
+from specdec.runtime.drafters import DRAFTER_CHOICES
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -170,7 +171,8 @@ def _print_layerskip_calibration(spec) -> None:
                    "eagle: a one-layer head over the target's hidden states; medusa: K heads guessing K tokens ahead "
                    "(both trained on `specdec distill-data` output).")
 @click.option("--medusa-heads", default=4, show_default=True, help="medusa: number of heads (tokens drafted per round).")
-@click.option("--data", type=click.Path(path_type=Path), default=None, help="eagle: the distill-data folder.")
+@click.option("--data", type=click.Path(path_type=Path), multiple=True,
+              help="eagle / medusa: a distill-data folder (repeat the option to train on several).")
 @click.option("--layers", default=4, show_default=True, help="draft-model: layers (copied from the target's).")
 @click.option("--intermediate-size", type=int, default=None,
               help="draft-model: MLP width (default: the target's).")
@@ -208,11 +210,11 @@ def train_drafter(model, out_path, kind, medusa_heads, data, layers, intermediat
     click.echo(f"use it: specdec export {model + ' ' if model else ''}-o DIR --drafter model:{out_dir}")
 
 
-def _train_heads(model, kind: str, out_path: Path, data: Path | None, epochs: int, unroll: int, n_heads: int,
+def _train_heads(model, kind: str, out_path: Path, data: tuple[Path, ...], epochs: int, unroll: int, n_heads: int,
                  max_tokens: int | None, init: Path | None) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    if data is None:
+    if not data:
         raise SpecdecError(f"--kind {kind} needs --data DIR", "make it with `specdec distill-data -o DIR`")
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
@@ -247,6 +249,23 @@ def _train_heads(model, kind: str, out_path: Path, data: Path | None, epochs: in
     click.echo(f"use it: specdec export {model + ' ' if model else ''}-o DIR --drafter {kind} --heads {out_path}")
 
 
+@main.command("corpus")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--data", type=click.Path(path_type=Path), multiple=True, required=True,
+              help="A distill-data folder whose answers go into the corpus (repeat for several).")
+@friendly
+def corpus_cmd(bundle, data):
+    """Add a corpus of the target's own answers to BUNDLE: the "corpus" drafter (its default where the bundle's
+    drafter is ngram) continues the context as those answers did wherever prompt lookup finds nothing."""
+    from specdec.export.corpus import add_corpus
+
+    t0 = time.perf_counter()
+    r = add_corpus(bundle, list(data))
+    click.echo(f"{bundle}: corpus of {r['tokens']} tokens ({r['texts']} answers, {r['bytes'] / 1e6:.1f} MB, "
+               f"matches up to {r['max_ngram']} tokens) in {time.perf_counter() - t0:.0f} s; "
+               f"use it: specdec generate {bundle} --drafter corpus \"...\"")
+
+
 @main.command("distill-data")
 @click.argument("model", required=False)
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Folder of shards.")
@@ -258,21 +277,27 @@ def _train_heads(model, kind: str, out_path: Path, data: Path | None, epochs: in
 @click.option("--seed", default=0, show_default=True)
 @click.option("--questions", type=click.Path(path_type=Path), default=None,
               help="Benchmark questions to keep out of the data (default: Spec-Bench's, if present).")
+@click.option("--prompt-set", type=click.Choice(["broad", "basic"]), default="broad", show_default=True,
+              help="Built-in prompts: broad (many task families) or basic (the first, narrow set).")
+@click.option("--documents", type=click.Path(path_type=Path), default=None,
+              help="A distill-data folder whose answers become documents for reading tasks (summaries, passages).")
 @click.option("--force", is_flag=True, help="Start over in a folder made with other settings.")
 @friendly
-def distill_data(model, out_dir, prompts_file, n_prompts, new_tokens, batch, seed, questions, force):
+def distill_data(model, out_dir, prompts_file, n_prompts, new_tokens, batch, seed, questions, prompt_set, documents,
+                 force):
     """Record the target's answers and hidden states for training drafters; rerun the same command to resume."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from specdec.export.distill_data import (DistillDataConfig, benchmark_texts, load_prompt_file, plan_prompts,
-                                             write_distill_data)
+    from specdec.export.distill_data import (DistillDataConfig, answers_as_documents, benchmark_texts,
+                                             load_prompt_file, plan_prompts, write_distill_data)
     from specdec.export.source import load_source
 
-    cfg = DistillDataConfig(n_prompts=n_prompts, new_tokens=new_tokens, batch=batch, seed=seed)
+    cfg = DistillDataConfig(n_prompts=n_prompts, new_tokens=new_tokens, batch=batch, seed=seed, prompt_set=prompt_set)
     extra = load_prompt_file(prompts_file) if prompts_file else []
-    prompts = plan_prompts(cfg, extra, benchmark_texts(questions or DEFAULT_QUESTIONS))
     source = load_source(model)
+    docs = answers_as_documents(documents, source.tokenizer) if documents else []
+    prompts = plan_prompts(cfg, extra, benchmark_texts(questions or DEFAULT_QUESTIONS), docs)
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[tok_s]:.0f} answer tok/s"), TextColumn("ETA"), TimeRemainingColumn(),
@@ -328,9 +353,9 @@ def generation_options(fn):
         click.option("--seed", type=int, default=None, help="Seed for sampling."),
         click.option("--draft-len", callback=_parse_draft_len, default=None,
                      help="Drafted tokens per round: K, 'auto', or 0 for plain decoding (default: the bundle's)."),
-        click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid", "hybrid-tree", "layerskip", "eagle",
-                                                       "eagle-tree", "medusa", "medusa-tree"]), default=None,
-                     help="Override the bundle's drafter (hybrid = n-gram lookup where it matches, the draft model "
+        click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default=None,
+                     help="Override the bundle's drafter (corpus = prompt lookup, then the bundle's corpus of the "
+                          "target's own answers; hybrid = n-gram lookup where it matches, the draft model "
                           "or EAGLE/Medusa heads elsewhere; hybrid-tree = both as branches of one tree)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--max-len", type=int, default=None, help="KV buffer length in tokens (default: the bundle's)."),

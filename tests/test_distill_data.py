@@ -104,3 +104,30 @@ def test_cli_runs_and_resumes(tiny_checkpoint, tmp_path):
     assert "2 shards for 4 prompts" in r.output
     r = CliRunner().invoke(main, args)  # everything there: nothing to do
     assert r.exit_code == 0 and "wrote 0 answer tokens" in r.output
+
+
+def test_earlier_answers_become_reading_documents(target, tmp_path, monkeypatch):
+    from specdec.export import distill_data
+
+    prompts = plan_prompts(CFG, [], set())
+    write_distill_data(target.model, target.tokenizer, tmp_path / "first", CFG, prompts, "tiny")
+    monkeypatch.setattr(distill_data, "DOCUMENT_MIN_TOKENS", 2)
+    docs = distill_data.answers_as_documents(tmp_path / "first", target.tokenizer)
+    assert docs and all(isinstance(d, str) and d for d in docs)
+    broad = DistillDataConfig(n_prompts=40, new_tokens=6, batch=4, seed=1)
+    plan = plan_prompts(broad, [], set(), docs)
+    assert any(d in m["content"] for p in plan for m in p for d in docs)  # reading tasks quote them
+    with pytest.raises(SpecdecError, match="no distillation shards"):
+        distill_data.answers_as_documents(tmp_path / "nothing", target.tokenizer)
+
+
+def test_folders_made_before_prompt_sets_still_resume(target, tmp_path):
+    basic = DistillDataConfig(n_prompts=3, new_tokens=4, batch=3, seed=1, prompt_set="basic")
+    write_distill_data(target.model, target.tokenizer, tmp_path, basic, plan_prompts(basic, [], set()), "tiny")
+    meta = json.loads((tmp_path / "distill.json").read_text())
+    del meta["config"]["prompt_set"]  # as written by earlier versions
+    (tmp_path / "distill.json").write_text(json.dumps(meta))
+    r = write_distill_data(target.model, target.tokenizer, tmp_path, basic, plan_prompts(basic, [], set()), "tiny")
+    assert r["answer_tokens_this_run"] == 0  # nothing redone, nothing refused
+    with pytest.raises(SpecdecError):
+        write_distill_data(target.model, target.tokenizer, tmp_path, CFG, plan_prompts(CFG, [], set()), "tiny")

@@ -366,3 +366,19 @@ def test_merged_drafts_share_prefixes_when_greedy_and_keep_laws_when_sampling():
     assert sampled.parents.tolist() == [-1, 0, 1, -1, -1, 3, 5]
     np.testing.assert_array_equal(sampled.p_draft[:3], np.eye(10, dtype=np.float32)[[5, 6, 7]])  # one-hot lookups
     np.testing.assert_array_equal(sampled.p_draft[3:], rows)
+
+
+def test_long_prompts_lose_their_beginning_not_the_answer():
+    # 700 prompt tokens + 100 answer tokens in a 512 window: the answer stays whole, the prompt keeps its end.
+    assert eagle_mod._window(1000, 1800, 700, 512) == (1288, 1800, 412)
+    # Short sequences are untouched; an answer longer than the window keeps one prompt token and loses its end.
+    assert eagle_mod._window(0, 300, 50, 512) == (0, 300, 50)
+    assert eagle_mod._window(0, 900, 50, 512) == (49, 561, 1)
+
+
+def test_several_data_folders_train_together(tiny_distill_data, tmp_path):
+    one = eagle_mod.load_sequences(tiny_distill_data, 64, 10_000_000, 512)
+    two = eagle_mod.load_sequences([tiny_distill_data, tiny_distill_data], 64, 10_000_000, 512)
+    assert len(two) == 2 * len(one)
+    assert eagle_mod._data_digest([tiny_distill_data]) == eagle_mod._data_digest(tiny_distill_data)
+    assert eagle_mod._data_digest([tiny_distill_data, tiny_distill_data]) != eagle_mod._data_digest(tiny_distill_data)

@@ -31,6 +31,12 @@ from specdec.errors import SpecdecError
 META_NAME = "distill.json"
 META_FORMAT = "specdec-distill-data"
 META_VERSION = 1
+PROMPT_SETS = ("broad", "basic")
+# Reading-task documents: the target's own earlier answers, long enough to summarize; at most this many are kept
+# (a prompt takes 1-4 of them), which bounds the prompt plan's memory
+DOCUMENT_MIN_TOKENS = 60
+MAX_DOCUMENTS = 20000
+LENGTH_WINDOW = 8  # batches whose prompts are sorted by length together (see _by_length)
 
 
 @dataclass(frozen=True)
@@ -39,11 +45,16 @@ class DistillDataConfig:
     new_tokens: int = 192  # answer length cap: long enough for multi-paragraph answers, short enough to batch
     batch: int = 32  # prompts per generation batch = per shard (bounded memory: one batch's states at a time)
     seed: int = 0
+    # "broad": export/prompt_families.py (many task families, reading tasks over --documents); "basic": the first
+    # set (28 templates x 53 topics, few distinct prompts), kept so that data made with it can still be resumed
+    prompt_set: str = "broad"
 
     def __post_init__(self) -> None:
         for name in ("n_prompts", "new_tokens", "batch"):
             if getattr(self, name) < 1:
                 raise SpecdecError(f"distill-data {name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_set not in PROMPT_SETS:
+            raise SpecdecError(f"unknown prompt set {self.prompt_set!r}", f"choose one of {', '.join(PROMPT_SETS)}")
 
 
 def _text_of(conversation: list[dict]) -> str:
@@ -82,12 +93,51 @@ def benchmark_texts(path: Path | None) -> set[str]:
     return {_text_of(p.messages) for p in load_spec_bench(path)}
 
 
-def plan_prompts(cfg: DistillDataConfig, extra: list[list[dict]], exclude: set[str]) -> list[list[dict]]:
-    """The run's prompts in their fixed order: the user's first, then the built-in ones; benchmark ones dropped."""
+def plan_prompts(cfg: DistillDataConfig, extra: list[list[dict]], exclude: set[str],
+                 documents: list[str] | tuple = ()) -> list[list[dict]]:
+    """The run's prompts in their fixed order: the user's first, then the built-in ones; benchmark ones dropped.
+    `documents` feed the broad set's reading tasks (summaries, extraction, answers from passages)."""
+    from specdec.export.prompt_families import broad_prompts
     from specdec.export.prompts import instruction_prompts
 
-    prompts = list(extra) + instruction_prompts(cfg.n_prompts, seed=cfg.seed)
-    return [p for p in prompts if _text_of(p) not in exclude]
+    if cfg.prompt_set == "broad":
+        built_in = _by_length(broad_prompts(cfg.n_prompts, seed=cfg.seed, documents=documents), cfg.batch)
+    else:
+        built_in = instruction_prompts(cfg.n_prompts, seed=cfg.seed)
+    return [p for p in list(extra) + built_in if _text_of(p) not in exclude]
+
+
+def _by_length(prompts: list[list[dict]], batch: int) -> list[list[dict]]:
+    """Within each window of LENGTH_WINDOW batches, prompts sorted by length: a batch is padded to its longest
+    prompt, and reading tasks are ten times longer than the rest. Deterministic, so resuming stays exact."""
+    width = LENGTH_WINDOW * batch
+    out: list[list[dict]] = []
+    for start in range(0, len(prompts), width):
+        window = prompts[start:start + width]
+        out += sorted(window, key=lambda p: sum(len(m.get("content", "")) for m in p))
+    return out
+
+
+def answers_as_documents(folder: Path, tokenizer) -> list[str]:
+    """The answers recorded in a distill-data folder, as text, in shard order: documents for reading tasks."""
+    shards = sorted(Path(folder).glob("shard-*.npz"))
+    if not shards:
+        raise SpecdecError(f"{folder} holds no distillation shards to take documents from",
+                           "give a folder written by `specdec distill-data`")
+    docs: list[str] = []
+    for path in shards:
+        try:
+            with np.load(path) as d:
+                tokens, starts, prompt_len = d["tokens"], d["starts"], d["prompt_len"]
+        except (OSError, KeyError, ValueError) as e:
+            raise SpecdecError(f"distillation shard {path} is unreadable ({e})") from None
+        for i in range(len(prompt_len)):
+            answer = tokens[int(starts[i]) + int(prompt_len[i]):int(starts[i + 1])]
+            if len(answer) >= DOCUMENT_MIN_TOKENS:
+                docs.append(tokenizer.decode(answer.tolist(), skip_special_tokens=True).strip())
+            if len(docs) >= MAX_DOCUMENTS:
+                return docs
+    return docs
 
 
 def _digest(prompts: list[list[dict]]) -> str:
@@ -130,6 +180,7 @@ def write_distill_data(model, tokenizer, out: Path, cfg: DistillDataConfig, prom
     meta_file = out / META_NAME
     if meta_file.is_file():
         old = json.loads(meta_file.read_text())
+        old.get("config", {}).setdefault("prompt_set", "basic")  # folders made before there was a choice
         if old != meta and not force:
             raise SpecdecError(f"{out} holds distillation data made with another target, prompts or settings",
                                "use another folder, the same command as before, or --force to start over")

@@ -53,7 +53,7 @@ class EagleConfig:
     epochs: int = 2
     lr: float = 1e-3  # peak AdamW learning rate (warm-up then cosine decay)
     batch_tokens: int = 2048  # padded positions per optimizer step (~130 steps per 270k-token epoch)
-    max_seq: int = 320  # longer sequences are cut (attention cost grows with the square)
+    max_seq: int = 512  # longer ones lose prompt first (_window): reading tasks keep ~300 tokens of their document
     max_tokens: int | None = None  # use at most this many tokens of the data (None: all)
     draft_vocab: int = DRAFT_VOCAB
     seed: int = 0
@@ -79,33 +79,51 @@ def target_fingerprint(w: DecoderWeights) -> str:
 
 # ----------------------------------------------------------------------------------------------- data
 
-def load_sequences(folder: Path, hidden_size: int, vocab_size: int, max_seq: int,
+def data_folders(data) -> list[Path]:
+    """One distill-data folder or several (`--data A --data B`), as a list."""
+    return [Path(data)] if isinstance(data, (str, os.PathLike)) else [Path(d) for d in data]
+
+
+def _window(start: int, end: int, n_prompt: int, max_seq: int) -> tuple[int, int, int]:
+    """The part of one sequence [start, end) to train on, at most max_seq long: a long prompt (a document to
+    summarize) loses its beginning first, as the answer is what is scored; then the answer loses its end.
+    Returns (start, end, prompt tokens kept); at least one prompt token stays (its state starts the chain)."""
+    cut = max(0, min(n_prompt - 1, (end - start) - max_seq))
+    start, n_prompt = start + cut, n_prompt - cut
+    return start, min(end, start + max_seq), n_prompt
+
+
+def load_sequences(data, hidden_size: int, vocab_size: int, max_seq: int,
                    max_tokens: int | None = None) -> list[tuple[np.ndarray, int, np.ndarray]]:
-    """(tokens [n] int64, prompt length, pre-norm states [n, D] fp16) per sequence of a distill-data folder."""
-    folder = Path(folder)
-    shards = sorted(folder.glob("shard-*.npz"))
-    if not (folder / "distill.json").is_file() or not shards:
-        raise SpecdecError(f"{folder} holds no distillation data", "make it with `specdec distill-data -o DIR`")
+    """(tokens [n] int64, prompt length, pre-norm states [n, D] fp16) per sequence of one or more distill-data
+    folders, taken in turn."""
     seqs, total = [], 0
-    for path in shards:
-        try:
-            with np.load(path) as d:
-                tokens, starts, prompt_len, hidden = d["tokens"], d["starts"], d["prompt_len"], d["hidden"]
-        except (OSError, KeyError, ValueError) as e:
-            raise SpecdecError(f"distillation shard {path} is unreadable ({e})",
-                               "delete it and rerun the same `specdec distill-data` command to remake it") from None
-        if hidden.shape[1] != hidden_size or (len(tokens) and int(tokens.max()) >= vocab_size):
-            raise SpecdecError(f"{path} was made by another model (hidden size {hidden.shape[1]}, target's {hidden_size})",
-                               "make the data with this target")
-        for i in range(len(prompt_len)):
-            a, b = int(starts[i]), min(int(starts[i + 1]), int(starts[i]) + max_seq)
-            if b - a > int(prompt_len[i]) + 1:  # at least two answer tokens: one drafted position
-                seqs.append((tokens[a:b].astype(np.int64), int(prompt_len[i]), hidden[a:b]))
-                total += b - a
+    for folder in data_folders(data):
+        shards = sorted(folder.glob("shard-*.npz"))
+        if not (folder / "distill.json").is_file() or not shards:
+            raise SpecdecError(f"{folder} holds no distillation data", "make it with `specdec distill-data -o DIR`")
+        for path in shards:
+            try:
+                with np.load(path) as d:
+                    tokens, starts, prompt_len, hidden = d["tokens"], d["starts"], d["prompt_len"], d["hidden"]
+            except (OSError, KeyError, ValueError) as e:
+                raise SpecdecError(f"distillation shard {path} is unreadable ({e})",
+                                   "delete it and rerun the same `specdec distill-data` command to remake it") from None
+            if hidden.shape[1] != hidden_size or (len(tokens) and int(tokens.max()) >= vocab_size):
+                raise SpecdecError(f"{path} was made by another model (hidden size {hidden.shape[1]}, target's "
+                                   f"{hidden_size})", "make the data with this target")
+            for i in range(len(prompt_len)):
+                a, b, n_prompt = _window(int(starts[i]), int(starts[i + 1]), int(prompt_len[i]), max_seq)
+                if b - a > n_prompt + 1:  # at least two answer tokens: one drafted position
+                    seqs.append((tokens[a:b].astype(np.int64), n_prompt, hidden[a:b]))
+                    total += b - a
+            if max_tokens is not None and total >= max_tokens:
+                break
         if max_tokens is not None and total >= max_tokens:
             break
     if len(seqs) < 2:
-        raise SpecdecError(f"{folder} holds {len(seqs)} usable answers: too few to train and hold out")
+        raise SpecdecError(f"{', '.join(map(str, data_folders(data)))} hold {len(seqs)} usable answers: "
+                           "too few to train and hold out")
     return seqs
 
 
@@ -119,7 +137,7 @@ def draft_vocab(seqs, size: int, vocab_size: int, special: list[int]) -> np.ndar
     return np.sort(np.asarray(chosen[:min(size, vocab_size)], dtype=np.int64))
 
 
-def training_setup(model_path, data: Path, max_seq: int, max_tokens: int | None, n_vocab: int, seed: int,
+def training_setup(model_path, data: "Path | list[Path]", max_seq: int, max_tokens: int | None, n_vocab: int, seed: int,
                    step: Callable[[str], object]):
     """What every head's training starts from: the target (source, config, weights, fingerprint), the data's
     sequences split into held-out and training ones (by seed), and the draft vocabulary from the training ones."""
@@ -322,7 +340,7 @@ def _step_losses(head, rms, tokens, feats, scored, steps: int):
     return results
 
 
-def train_eagle(model_path, data: Path, out: Path, cfg: EagleConfig, step: Callable[[str], object] | None = None,
+def train_eagle(model_path, data: "Path | list[Path]", out: Path, cfg: EagleConfig, step: Callable[[str], object] | None = None,
                 progress: Callable[[int, int, float], object] | None = None, init: Path | None = None) -> dict:
     """Train a head for the target at `model_path` on the distill-data folder `data`; write the heads file `out`.
     `init`: a heads file of this target to continue from (its draft vocabulary is kept).
@@ -396,7 +414,8 @@ def train_eagle(model_path, data: Path, out: Path, cfg: EagleConfig, step: Calla
     step("measuring the trained head on held-out answers")
     after = evaluate(head, rms, held, cfg)
     report = {
-        "kind": "eagle", "target": str(source.path), "target_fingerprint": fingerprint, "data": str(data),
+        "kind": "eagle", "target": str(source.path), "target_fingerprint": fingerprint,
+        "data": [str(f) for f in data_folders(data)],
         "sequences": len(seqs), "train_tokens": sum(lengths),
         "continued_from": None if init is None else start.meta.get("report"),
         "train_answer_tokens": sum(len(t) - p for t, p, _ in train),
@@ -412,10 +431,12 @@ def train_eagle(model_path, data: Path, out: Path, cfg: EagleConfig, step: Calla
     return report
 
 
-def _data_digest(data: Path) -> str:
-    meta = Path(data) / "distill.json"
-    names = sorted(p.name for p in Path(data).glob("shard-*.npz"))
-    return hashlib.sha256((meta.read_text() + "\n".join(names)).encode()).hexdigest()[:16]
+def _data_digest(data) -> str:
+    h = hashlib.sha256()
+    for folder in data_folders(data):
+        names = sorted(p.name for p in folder.glob("shard-*.npz"))
+        h.update(((folder / "distill.json").read_text() + "\n".join(names)).encode())
+    return h.hexdigest()[:16]
 
 
 def _save_checkpoint(path: Path, head, opt, done: int, losses: list, settings: dict) -> None:

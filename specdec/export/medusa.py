@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specdec.errors import SpecdecError
-from specdec.export.eagle import DRAFT_VOCAB, training_setup
+from specdec.export.eagle import DRAFT_VOCAB, data_folders, training_setup
 from specdec.export.graph import MS, OPSET, DecoderWeights
 from specdec.runtime.manifest import ModelConfig
 
@@ -64,7 +64,7 @@ def _rows(seqs, K: int):
     return np.concatenate(src), np.concatenate(tgt)
 
 
-def train_medusa(model_path, data: Path, out: Path, cfg: MedusaConfig, step: Callable[[str], object] | None = None,
+def train_medusa(model_path, data: "Path | list[Path]", out: Path, cfg: MedusaConfig, step: Callable[[str], object] | None = None,
                  progress: Callable[[int, int, float], object] | None = None) -> dict:
     import torch
 
@@ -133,7 +133,7 @@ def train_medusa(model_path, data: Path, out: Path, cfg: MedusaConfig, step: Cal
                 progress(step_i + 1, total, losses[-1])
     training_s = time.perf_counter() - t0
     after = evaluate()
-    report = {"kind": "medusa", "target": str(source.path), "target_fingerprint": fingerprint, "data": str(data),
+    report = {"kind": "medusa", "target": str(source.path), "target_fingerprint": fingerprint, "data": [str(f) for f in data_folders(data)],
               "n_heads": K, "train_answer_positions": int(len(train_src)), "held_out_sequences": len(held),
               "draft_vocab": len(vocab), "config": asdict(cfg), "steps": total, "training_s": round(training_s, 1),
               "first_loss": round(float(np.mean(losses[:max(1, len(losses) // 10)])), 4),

@@ -20,6 +20,7 @@ from specdec.runtime.draft_len import AdaptiveDraftLen, DraftLenPolicy, FixedDra
 from specdec.runtime.drafters.base import Drafter
 from specdec.runtime.drafters.draft_model import ModelDrafter
 from specdec.runtime.drafters.eagle import EagleDrafter, EagleHead
+from specdec.runtime.drafters.corpus import Corpus, CorpusDrafter
 from specdec.runtime.drafters.hybrid import LOOKUP_MIN_NGRAM, HybridDrafter
 from specdec.runtime.drafters.layerskip import LayerSkipDrafter
 from specdec.runtime.drafters.medusa import MedusaDrafter
@@ -138,7 +139,8 @@ class Engine:
         self._drafters: dict[str, Drafter | None] = {}
         self._eagle_head: EagleHead | None = None  # one head graph and cache for every EAGLE drafter
         self._medusa_heads: ExitHead | None = None
-        self.use_drafter(drafter or m.drafter.kind)
+        # A bundle with a corpus of the target's answers drafts from it where prompt lookup finds nothing.
+        self.use_drafter(drafter or ("corpus" if m.drafter.kind == "ngram" and m.drafter.corpus else m.drafter.kind))
         self.cached_ids: list[int] = []  # what the target's KV holds, for prefix reuse across calls
         self.last_stats = SpecStats()
 
@@ -156,7 +158,7 @@ class Engine:
         return SplitTarget(exit_slice, self._decoder("tail", kv=exit_slice.kv))
 
     def use_drafter(self, kind: str) -> None:
-        """Switch drafter ("none", "ngram", "model", "hybrid", "layerskip", "eagle", "eagle-tree", "medusa",
+        """Switch drafter ("none", "ngram", "corpus", "model", "hybrid", "layerskip", "eagle", "eagle-tree", "medusa",
         "medusa-tree", "hybrid-tree"); each is built once and kept. The "-tree" kinds verify the chain plus the
         heads' next-best tokens (TREE_SIBLINGS) as one token tree.
         "hybrid" is n-gram lookup where it matches and the bundle's draft model or EAGLE/Medusa heads elsewhere;
@@ -185,6 +187,12 @@ class Engine:
             return None
         if kind == "ngram":
             return NgramDrafter(max_ngram=m.drafter.max_ngram)
+        if kind == "corpus":
+            if m.drafter.corpus is None:
+                raise SpecdecError(f"bundle {self.path} has no corpus of the target's answers",
+                                   "add one with `specdec corpus BUNDLE --data DATA`, or use --drafter ngram")
+            corpus = Corpus.load(self.path / m.drafter.corpus, m.model.vocab_size, m.tokenizer.vocab_digest)
+            return CorpusDrafter(NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM), corpus)
         heads_hybrid = kind in ("hybrid", "hybrid-tree") and m.drafter.kind in ("eagle", "medusa")
         if kind == "hybrid-tree" and not heads_hybrid:
             raise SpecdecError(f"bundle {self.path} has no EAGLE or Medusa heads to branch beside the lookup",
@@ -231,7 +239,7 @@ class Engine:
                 raise SpecdecError(f"bundle {self.path} has no LayerSkip exit", "re-export with --drafter layerskip")
             vocab = np.load(self.path / m.drafter.draft_vocab)
             return LayerSkipDrafter(self.target, ExitHead(self.path / m.drafter.exit_head, vocab, self.runtime))
-        raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram, model, hybrid, hybrid-tree, layerskip, eagle, "
+        raise SpecdecError(f"unknown drafter {kind!r}", "choose none, ngram, corpus, model, hybrid, hybrid-tree, layerskip, eagle, "
                                                         "eagle-tree, medusa or medusa-tree")
 
     def _hybrid(self, heads: Drafter, tree: bool) -> HybridDrafter:

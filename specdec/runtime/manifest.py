@@ -155,6 +155,8 @@ class DrafterSpec:
     draft_vocab: str | None = None
     calibration: dict[str, Any] = field(default_factory=dict)  # export-time curve / training report figures
     heads: str | None = None  # kind == "medusa": the ONNX file mapping the target's last state to [K, N] logits
+    # Any kind: the target's own answers (drafters/corpus.py), for the "corpus" drafter (prompt lookup, then this)
+    corpus: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.kind in DRAFTER_KINDS, f"drafter.kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")

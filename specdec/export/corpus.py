@@ -1,0 +1,62 @@
+"""`specdec corpus`: add a corpus of the target's own answers to a bundle, for the "corpus" drafter.
+
+The answers come from `specdec distill-data` folders (their prompts are specdec's own, never benchmark questions;
+the user turns are left out: the corpus holds what the target writes, not what users ask). Only token ids are
+stored (uint16 for vocabularies under 65,536: 2 bytes a token); the runtime indexes them on load.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from specdec.errors import SpecdecError
+from specdec.runtime.drafters.corpus import Corpus
+from specdec.runtime.manifest import MANIFEST_NAME, read_manifest
+
+CORPUS_FILE = "corpus.npz"
+
+
+def answers_of(folders: Sequence[Path], vocab_size: int) -> list[np.ndarray]:
+    """Every answer recorded in the distill-data folders, in folder then shard order."""
+    texts = []
+    for folder in folders:
+        shards = sorted(Path(folder).glob("shard-*.npz"))
+        if not shards:
+            raise SpecdecError(f"{folder} holds no distillation shards", "make them with `specdec distill-data -o DIR`")
+        for path in shards:
+            try:
+                with np.load(path) as d:
+                    tokens, starts, prompt_len = d["tokens"], d["starts"], d["prompt_len"]
+            except (OSError, KeyError, ValueError) as e:
+                raise SpecdecError(f"distillation shard {path} is unreadable ({e})",
+                                   "delete it and rerun the same `specdec distill-data` command to remake it") from None
+            if len(tokens) and int(tokens.max()) >= vocab_size:
+                raise SpecdecError(f"{path} holds token ids beyond this bundle's vocabulary ({vocab_size})",
+                                   "use data made with this bundle's target")
+            texts += [tokens[int(starts[i]) + int(prompt_len[i]):int(starts[i + 1])] for i in range(len(prompt_len))]
+    return texts
+
+
+def add_corpus(bundle: Path, folders: Sequence[Path]) -> dict:
+    """Write bundle/corpus.npz from the folders' answers and record it in the manifest (checksummed)."""
+    from specdec.export.bundle import bundle_files
+
+    bundle = Path(bundle)
+    m = read_manifest(bundle)
+    corpus = Corpus.from_texts(answers_of(folders, m.model.vocab_size), m.model.vocab_size)
+    if not len(corpus):
+        raise SpecdecError("the data holds no answers to build a corpus from")
+    tmp = bundle / (CORPUS_FILE + ".tmp")
+    corpus.save(tmp, m.tokenizer.vocab_digest)
+    tmp.replace(bundle / CORPUS_FILE)
+    m = replace(m, drafter=replace(m.drafter, corpus=CORPUS_FILE))
+    m = replace(m, files=bundle_files(bundle))
+    staged = bundle / (MANIFEST_NAME + ".tmp")
+    staged.write_text(m.to_json())
+    staged.replace(bundle / MANIFEST_NAME)  # the manifest last: a killed run leaves the old bundle valid
+    return {"tokens": len(corpus), "texts": int((corpus.tokens == corpus.sep).sum()),
+            "bytes": (bundle / CORPUS_FILE).stat().st_size, "max_ngram": corpus.max_ngram,
+            "folders": [str(f) for f in folders]}

@@ -1,0 +1,139 @@
+"""Corpus lookup (retrieval drafting, after REST): continue the context's tail the way the target's own earlier
+answers continued it.
+
+Prompt lookup only finds text that repeats inside one conversation. A corpus of the target's own answers to many
+other prompts (`specdec distill-data` output, or any token file) knows the target's habits: after "In" it writes
+" conclusion", after "Here are" it writes " some". The drafter tries the prompt first (a match of
+LOOKUP_MIN_NGRAM tokens or more is specific to this conversation), then the corpus: the longest suffix of the
+context (up to `max_ngram` tokens) found in the corpus, continued token by token with the continuation most
+occurrences agree on. No model, no randomness: drafts are deterministic, like prompt lookup's.
+
+The corpus keeps its tokens only; its index (every position's next `max_ngram` tokens packed into one uint64 key,
+sorted) is built on load, so a lookup is two binary searches.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from specdec.errors import SpecdecError
+from specdec.runtime.drafters.base import Draft
+from specdec.runtime.drafters.hybrid import LOOKUP_MIN_NGRAM
+from specdec.runtime.drafters.ngram import NgramDrafter
+from specdec.runtime.sampling import SamplingConfig
+
+CORPUS_FORMAT = "specdec-corpus"
+CORPUS_VERSION = 1
+# Occurrences a continuation is counted over: a one-token suffix can occur 10^4 times; a few hundred spread over
+# the corpus give the same majority at a fraction of the cost per round.
+MAX_OCCURRENCES = 512
+
+
+class Corpus:
+    """The target's own text, indexed by every n-gram up to `max_ngram` tokens (n-grams never span two texts)."""
+
+    def __init__(self, tokens: np.ndarray, vocab_size: int) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.sep = vocab_size  # ends every text; no context token equals it, so no n-gram spans two texts
+        self.bits = int(vocab_size).bit_length()  # enough for every id and sep
+        self.max_ngram = 64 // self.bits
+        self.tokens = np.asarray(tokens, dtype=np.int64)  # [M] ids, sep between texts
+        if self.tokens.ndim != 1 or (len(self.tokens) and (self.tokens.min() < 0 or self.tokens.max() > self.sep)):
+            raise ValueError("corpus tokens must be a 1-D array of ids in [0, vocab_size]")
+        padded = np.concatenate([self.tokens, np.full(self.max_ngram, self.sep, dtype=np.int64)])
+        keys = np.zeros(len(self.tokens), dtype=np.uint64)  # [M] tokens[i:i+max_ngram] packed, first one highest
+        for j in range(self.max_ngram):
+            keys = (keys << np.uint64(self.bits)) | padded[j:j + len(self.tokens)].astype(np.uint64)
+        self.order = np.argsort(keys, kind="stable")  # [M] positions by key, then by position
+        self.keys = keys[self.order]  # [M] sorted
+
+    @classmethod
+    def from_texts(cls, texts: Sequence[Sequence[int]], vocab_size: int) -> "Corpus":
+        parts = [np.append(np.asarray(t, dtype=np.int64), vocab_size) for t in texts if len(t)]
+        return cls(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64), vocab_size)
+
+    def save(self, path: Path, vocab_digest: str) -> None:
+        dtype = np.uint16 if self.sep < 2 ** 16 else np.uint32
+        with open(path, "wb") as f:  # np.savez would add ".npz" to a name without it
+            np.savez_compressed(f, tokens=self.tokens.astype(dtype), vocab_size=np.int64(self.vocab_size),
+                                format=np.str_(CORPUS_FORMAT), version=np.int64(CORPUS_VERSION),
+                                vocab_digest=np.str_(vocab_digest))
+
+    @classmethod
+    def load(cls, path: Path, vocab_size: int, vocab_digest: str) -> "Corpus":
+        try:
+            with np.load(path) as d:
+                fmt, version, digest = str(d["format"]), int(d["version"]), str(d["vocab_digest"])
+                tokens, size = d["tokens"], int(d["vocab_size"])
+        except (OSError, KeyError, ValueError) as e:
+            raise SpecdecError(f"corpus file {path} is unreadable ({e})", "rebuild it with `specdec corpus`") from None
+        if fmt != CORPUS_FORMAT or version != CORPUS_VERSION:
+            raise SpecdecError(f"{path} is not a specdec corpus of version {CORPUS_VERSION}", "rebuild it with `specdec corpus`")
+        if size != vocab_size or digest != vocab_digest:
+            raise SpecdecError(f"corpus {path} was made with another tokenizer", "rebuild it with this bundle's target")
+        return cls(tokens, vocab_size)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def _range(self, gram: Sequence[int]) -> tuple[int, int]:
+        """Where keys start with `gram` (n <= max_ngram ids) in the sorted keys."""
+        lo = hi = 0
+        for t in gram:
+            lo = (lo << self.bits) | int(t)
+        hi = lo + 1
+        shift = self.bits * (self.max_ngram - len(gram))
+        return (int(np.searchsorted(self.keys, np.uint64(lo << shift), side="left")),
+                int(np.searchsorted(self.keys, np.uint64(hi << shift), side="left")))
+
+    def continuation(self, context: Sequence[int], k: int, min_ngram: int = 1) -> tuple[list[int], int]:
+        """Up to k tokens following the longest tail of `context` (min_ngram..max_ngram tokens) that the corpus
+        holds, each the one most of the surviving occurrences continue with; and the tail's length (0: none)."""
+        for n in range(min(self.max_ngram, len(context)), min_ngram - 1, -1):
+            lo, hi = self._range(context[len(context) - n:])
+            if hi <= lo:
+                continue
+            picks = np.linspace(lo, hi - 1, num=min(hi - lo, MAX_OCCURRENCES)).astype(np.int64)  # spread, fixed
+            at = self.order[picks] + n  # [m] the token after each occurrence
+            out: list[int] = []
+            while len(out) < k:
+                following = self.tokens[at]  # [m]
+                following = following[following != self.sep]
+                if not len(following):
+                    break
+                counts = np.bincount(following)
+                token = int(np.argmax(counts))  # ties: the smaller id, deterministically
+                out.append(token)
+                at = at[self.tokens[at] == token] + 1
+            return out, n
+        return [], 0
+
+
+class CorpusDrafter:
+    """Drafter (see base.py): prompt lookup where the conversation repeats itself, the corpus elsewhere."""
+
+    def __init__(self, lookup: NgramDrafter, corpus: Corpus) -> None:
+        if lookup.config.min_ngram < LOOKUP_MIN_NGRAM:
+            raise ValueError(f"the prompt lookup beside a corpus needs min_ngram >= {LOOKUP_MIN_NGRAM}: a one-token "
+                             "match in the prompt predicts worse than the corpus")
+        self.lookup, self.corpus = lookup, corpus
+
+    def begin(self, prompt_ids: Sequence[int], sampling: SamplingConfig, rng: np.random.Generator) -> None:
+        self.lookup.begin(prompt_ids, sampling, rng)
+
+    def source(self, context: Sequence[int]) -> str:
+        return "lookup" if self.lookup.has_match(context) else "corpus"
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        draft = self.lookup.propose(context, k)
+        if draft.k > 0 or k <= 0:
+            return draft
+        tokens, _ = self.corpus.continuation(context, k)
+        return Draft(tokens=np.asarray(tokens, dtype=np.int64))  # [<= k]
+
+    def accept(self, n_accepted: int, next_token: int) -> None:
+        pass  # the next context holds what was accepted

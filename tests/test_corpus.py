@@ -1,0 +1,118 @@
+"""Corpus lookup: hand-checked continuations, agreement with a brute-force search, the bundle command, and lossless
+greedy decoding with the corpus drafter on a tiny model."""
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.errors import SpecdecError
+from specdec.runtime.drafters.base import Drafter
+from specdec.runtime.drafters.corpus import Corpus, CorpusDrafter
+from specdec.runtime.drafters.ngram import NgramDrafter
+from specdec.runtime.sampling import SamplingConfig
+
+VOCAB = 50
+
+
+def test_majority_continuation_of_the_longest_match():
+    corpus = Corpus.from_texts([[1, 2, 3, 4], [1, 2, 3, 5], [7, 2, 3, 5, 6], [9, 3, 8]], VOCAB)
+    # "2 3" is followed by 4 once and by 5 twice: the majority wins, then the surviving texts go on
+    assert corpus.continuation([0, 2, 3], 3) == ([5, 6], 2)
+    # "1 2 3" (longer) occurs twice, 4 and 5 once each: the tie goes to the smaller id
+    assert corpus.continuation([1, 2, 3], 1) == ([4], 3)
+    # a text's end stops the draft; a one-token match is used when nothing longer is there
+    assert corpus.continuation([9, 9, 3], 4) == ([8], 2)
+    assert corpus.continuation([0, 3], 4) == ([5, 6], 1)
+    assert corpus.continuation([3], 4, min_ngram=2) == ([], 0)
+    assert corpus.continuation([42], 2) == ([], 0)
+
+
+def test_matches_never_span_two_texts():
+    corpus = Corpus.from_texts([[1, 2], [3, 4]], VOCAB)
+    assert corpus.continuation([2, 3], 1) == ([4], 1)  # "2 3" is not in the corpus; "3" is
+
+
+def test_wide_vocabularies_pack_fewer_tokens_per_key():
+    assert Corpus.from_texts([[1]], 49152).max_ngram == 4
+    assert Corpus.from_texts([[1]], 151936).max_ngram == 3  # Qwen2's 18-bit ids
+    big = Corpus.from_texts([[151935, 151934, 151935, 7]], 151936)
+    assert big.continuation([151935, 151934, 151935], 2) == ([7], 3)
+
+
+def _brute(texts, context, k, max_ngram):
+    for n in range(min(max_ngram, len(context)), 0, -1):
+        tail = list(context[-n:])
+        alive = [(t, i + n) for t in texts for i in range(len(t) - n + 1) if list(t[i:i + n]) == tail]
+        if not alive:
+            continue
+        out = []
+        while len(out) < k:
+            counts = Counter(t[j] for t, j in alive if j < len(t))
+            if not counts:
+                break
+            token = min(counts, key=lambda x: (-counts[x], x))
+            out.append(token)
+            alive = [(t, j + 1) for t, j in alive if j < len(t) and t[j] == token]
+        return out, n
+    return [], 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=12), min_size=1, max_size=6),
+       st.lists(st.integers(0, 5), min_size=1, max_size=6), st.integers(1, 5))
+def test_agrees_with_brute_force(texts, context, k):
+    corpus = Corpus.from_texts(texts, 6)
+    assert corpus.continuation(context, k) == _brute(texts, context, k, corpus.max_ngram)
+
+
+def test_saved_corpus_loads_only_for_its_tokenizer(tmp_path):
+    corpus = Corpus.from_texts([[1, 2, 3], [4, 5]], VOCAB)
+    corpus.save(tmp_path / "c.npz", "digest-a")
+    again = Corpus.load(tmp_path / "c.npz", VOCAB, "digest-a")
+    assert again.continuation([1, 2], 2) == corpus.continuation([1, 2], 2)
+    with pytest.raises(SpecdecError, match="another tokenizer"):
+        Corpus.load(tmp_path / "c.npz", VOCAB, "digest-b")
+    (tmp_path / "bad.npz").write_bytes(b"garbage")
+    with pytest.raises(SpecdecError, match="unreadable"):
+        Corpus.load(tmp_path / "bad.npz", VOCAB, "digest-a")
+
+
+def test_drafter_prefers_the_prompt_then_the_corpus():
+    corpus = Corpus.from_texts([[10, 11, 12, 13]], VOCAB)
+    drafter = CorpusDrafter(NgramDrafter(max_ngram=3, min_ngram=2), corpus)
+    assert isinstance(drafter, Drafter)
+    drafter.begin([5, 6, 7, 5, 6], SamplingConfig(), np.random.default_rng(0))
+    assert drafter.source([5, 6, 7, 5, 6]) == "lookup"
+    assert drafter.propose([5, 6, 7, 5, 6], 2).tokens.tolist() == [7, 5]
+    assert drafter.source([5, 6, 7, 5, 6, 10]) == "corpus"
+    assert drafter.propose([5, 6, 7, 5, 6, 10], 2).tokens.tolist() == [11, 12]
+    with pytest.raises(ValueError, match="min_ngram"):
+        CorpusDrafter(NgramDrafter(max_ngram=3, min_ngram=1), corpus)
+
+
+def test_bundle_corpus_decodes_identically_to_plain(tiny_bundle, tiny_distill_data, tmp_path):
+    from click.testing import CliRunner
+
+    import specdec
+    from specdec.cli import main
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle, bundle)
+    r = CliRunner().invoke(main, ["corpus", str(bundle), "--data", str(tiny_distill_data)])
+    assert r.exit_code == 0, r.output
+    assert "corpus of" in r.output
+    engine = specdec.load(bundle, drafter="corpus")
+    prompts = ["hello world", "the cat sat on the mat and the cat"]
+    for prompt in prompts:
+        for k in (1, 3, 6):
+            plain = engine.generate(prompt, specdec.GenerationConfig(max_new_tokens=24, draft_len=0)).token_ids
+            spec = engine.generate(prompt, specdec.GenerationConfig(max_new_tokens=24, draft_len=k))
+            assert spec.token_ids == plain
+    assert spec.stats.drafted > 0  # the corpus did propose
+    bad = CliRunner().invoke(main, ["corpus", str(bundle), "--data", str(tmp_path / "none")])
+    assert bad.exit_code != 0 and "no distillation shards" in bad.output + (bad.stderr if bad.stderr_bytes else "")
