@@ -92,9 +92,11 @@ def main() -> None:
                    "one shipped for this target).")
 @click.option("--heads-precision", type=click.Choice(["fp32", "int8"]), default="int8", show_default=True,
               help="eagle / medusa: weights of the heads' graph (int8: smaller and faster drafts; output unchanged).")
+@click.option("--corpus/--no-corpus", default=True, show_default=True,
+              help="Copy the corpus of the target's own answers that specdec ships for it, if any (drafter 'corpus').")
 @friendly
 def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_layer, exit_adapter, calib_prompts, heads,
-           heads_precision):
+           heads_precision, corpus):
     """Export MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct) into a bundle."""
     from specdec.export.bundle import ExportConfig, export_bundle
     from specdec.export.layerskip import LayerSkipConfig
@@ -104,15 +106,16 @@ def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_l
     layerskip = LayerSkipConfig(exit_layer=None if exit_layer == "auto" else int(exit_layer), adapter=exit_adapter,
                                 prompts=calib_prompts)
     cfg = ExportConfig(drafter=drafter, precision=precision, max_len=max_len, draft_len=draft_len, force=force,
-                       layerskip=layerskip, heads=heads, heads_precision=heads_precision)
+                       layerskip=layerskip, heads=heads, heads_precision=heads_precision, corpus=corpus)
     t0 = time.perf_counter()
     with _stage_progress() as step:
         manifest = export_bundle(model, out_dir, cfg, step=step)
     if manifest.drafter.kind == "layerskip":
         _print_layerskip_calibration(manifest.drafter)
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
+    corpus_note = ", with the shipped corpus" if manifest.drafter.corpus else ""
     click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, target {manifest.graphs['target'].precision}, "
-               f"drafter {cfg.drafter}) in {time.perf_counter() - t0:.0f} s")
+               f"drafter {cfg.drafter}{corpus_note}) in {time.perf_counter() - t0:.0f} s")
 
 
 @contextlib.contextmanager

@@ -116,3 +116,30 @@ def test_bundle_corpus_decodes_identically_to_plain(tiny_bundle, tiny_distill_da
     assert spec.stats.drafted > 0  # the corpus did propose
     bad = CliRunner().invoke(main, ["corpus", str(bundle), "--data", str(tmp_path / "none")])
     assert bad.exit_code != 0 and "no distillation shards" in bad.output + (bad.stderr if bad.stderr_bytes else "")
+
+
+def test_export_copies_the_corpus_shipped_for_its_target(tiny_checkpoint, tiny_distill_data, tmp_path, monkeypatch):
+    import specdec
+    from specdec.export import eagle
+    from specdec.export.bundle import ExportConfig, export_bundle
+    from specdec.export.corpus import write_shipped_corpus
+
+    monkeypatch.setattr(eagle, "SHIPPED_HEADS", tmp_path / "heads")
+    (tmp_path / "heads").mkdir()
+    write_shipped_corpus(tiny_checkpoint, [tiny_distill_data], tmp_path / "heads" / "tiny.corpus.npz")
+    m = export_bundle(tiny_checkpoint, tmp_path / "b", ExportConfig(drafter="ngram", max_len=128))
+    assert m.drafter.corpus == "corpus.npz"
+    engine = specdec.load(tmp_path / "b")
+    assert engine.drafter_kind == "corpus"  # the default where the bundle's drafter is ngram
+    m2 = export_bundle(tiny_checkpoint, tmp_path / "b2", ExportConfig(drafter="ngram", max_len=128, corpus=False))
+    assert m2.drafter.corpus is None
+    with pytest.raises(SpecdecError, match="no corpus"):
+        specdec.load(tmp_path / "b2", drafter="corpus")
+
+
+def test_min_share_stops_where_the_occurrences_disagree():
+    corpus = Corpus.from_texts([[1, 2, 3], [1, 2, 4], [1, 2, 5], [1, 6, 7]], VOCAB)
+    assert corpus.continuation([1], 3) == ([2, 3], 1)
+    # 3 of 4 continue "1" with 2; then 3, 4 and 5 each have a third
+    assert corpus.continuation([1], 3, min_share=0.5) == ([2], 1)
+    assert corpus.continuation([1], 3, min_share=0.8) == ([], 1)

@@ -51,6 +51,9 @@ class ExportConfig:
     # on held-out prompts int8 heads kept tau (1.55 chain, 1.75 tree) and ran 1.29x/1.32x vs fp32 heads'
     # 1.22x/1.24x (bench/results/heldout_eagle*.json).
     heads_precision: str = "int8"
+    # Copy the corpus of the target's own answers shipped for this target (default model), if any: the runtime's
+    # "corpus" drafter (the default for drafter ngram) drafts from it where prompt lookup finds nothing.
+    corpus: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in EXPORT_PRECISIONS:
@@ -231,6 +234,16 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             step(f"copying draft model from {draft_bundle}")
             graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)
             drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.draft_len)
+
+        if cfg.corpus:
+            from specdec.export.corpus import CORPUS_FILE, shipped_corpus
+            from specdec.export.eagle import target_fingerprint
+
+            shipped = shipped_corpus(target_fingerprint(weights))
+            if shipped is not None:
+                step("copying the corpus of the target's answers shipped with specdec")
+                shutil.copyfile(shipped, partial / CORPUS_FILE)
+                drafter = replace(drafter, corpus=CORPUS_FILE)
 
         step("writing manifest")
         manifest = Manifest(tokenizer=tok_spec, graphs=graphs, drafter=drafter, files=bundle_files(partial),

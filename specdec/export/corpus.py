@@ -17,6 +17,21 @@ from specdec.runtime.drafters.corpus import Corpus
 from specdec.runtime.manifest import MANIFEST_NAME, read_manifest
 
 CORPUS_FILE = "corpus.npz"
+SHIPPED_SUFFIX = ".corpus.npz"  # beside the shipped heads (export/heads/): a corpus for the default model
+
+
+def shipped_corpus(fingerprint: str) -> Path | None:
+    """The corpus shipped with specdec for the target with this weights fingerprint, if any."""
+    from specdec.export.eagle import SHIPPED_HEADS
+
+    for path in sorted(SHIPPED_HEADS.glob("*" + SHIPPED_SUFFIX)):
+        try:
+            with np.load(path) as d:
+                if str(d["target"]) == fingerprint:
+                    return path
+        except (OSError, KeyError, ValueError):
+            continue
+    return None
 
 
 def answers_of(folders: Sequence[Path], vocab_size: int) -> list[np.ndarray]:
@@ -60,3 +75,18 @@ def add_corpus(bundle: Path, folders: Sequence[Path]) -> dict:
     return {"tokens": len(corpus), "texts": int((corpus.tokens == corpus.sep).sum()),
             "bytes": (bundle / CORPUS_FILE).stat().st_size, "max_ngram": corpus.max_ngram,
             "folders": [str(f) for f in folders]}
+
+
+def write_shipped_corpus(model_path, folders: Sequence[Path], out: Path) -> dict:
+    """A corpus for specdec/export/heads/ (`NAME.corpus.npz`): tagged with the target's weights fingerprint, so
+    that `specdec export` of that target copies it into every bundle."""
+    from specdec.export.eagle import target_fingerprint
+    from specdec.export.graph import model_config_from_hf, weights_from_torch
+    from specdec.runtime.tokenizer import vocab_digest
+    from specdec.export.source import load_source
+
+    source = load_source(model_path)
+    cfg = model_config_from_hf(source.hf_config)
+    corpus = Corpus.from_texts(answers_of(folders, cfg.vocab_size), cfg.vocab_size)
+    corpus.save(out, vocab_digest(source.tokenizer.backend_tokenizer), target_fingerprint(weights_from_torch(source.model)))
+    return {"tokens": len(corpus), "bytes": Path(out).stat().st_size}

@@ -29,6 +29,11 @@ CORPUS_VERSION = 1
 # Occurrences a continuation is counted over: a one-token suffix can occur 10^4 times; a few hundred spread over
 # the corpus give the same majority at a fraction of the cost per round.
 MAX_OCCURRENCES = 512
+# A corpus token is drafted only while at least this share of the surviving occurrences agree on it. On 2 CPU
+# cores each drafted token widens the verification step by ~10% of a step; replaying 39 greedy Spec-Bench
+# answers at k=4 (bench/experiments/corpus_replay.py, bench/results/corpus_replay.json) gave tau 1.70 but a
+# modelled 1.26x when drafting regardless, 1.64 / 1.34x at a share of 0.5 (prompt lookup alone: 1.61 / 1.30x).
+MIN_SHARE = 0.5
 
 
 class Corpus:
@@ -56,12 +61,13 @@ class Corpus:
         parts = [np.append(np.asarray(t, dtype=np.int64), vocab_size) for t in texts if len(t)]
         return cls(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64), vocab_size)
 
-    def save(self, path: Path, vocab_digest: str) -> None:
+    def save(self, path: Path, vocab_digest: str, target: str = "") -> None:
+        """`target`: the fingerprint of the model whose answers these are (how export finds a shipped corpus)."""
         dtype = np.uint16 if self.sep < 2 ** 16 else np.uint32
         with open(path, "wb") as f:  # np.savez would add ".npz" to a name without it
             np.savez_compressed(f, tokens=self.tokens.astype(dtype), vocab_size=np.int64(self.vocab_size),
                                 format=np.str_(CORPUS_FORMAT), version=np.int64(CORPUS_VERSION),
-                                vocab_digest=np.str_(vocab_digest))
+                                vocab_digest=np.str_(vocab_digest), target=np.str_(target))
 
     @classmethod
     def load(cls, path: Path, vocab_size: int, vocab_digest: str) -> "Corpus":
@@ -90,9 +96,11 @@ class Corpus:
         return (int(np.searchsorted(self.keys, np.uint64(lo << shift), side="left")),
                 int(np.searchsorted(self.keys, np.uint64(hi << shift), side="left")))
 
-    def continuation(self, context: Sequence[int], k: int, min_ngram: int = 1) -> tuple[list[int], int]:
+    def continuation(self, context: Sequence[int], k: int, min_ngram: int = 1,
+                     min_share: float = 0.0) -> tuple[list[int], int]:
         """Up to k tokens following the longest tail of `context` (min_ngram..max_ngram tokens) that the corpus
-        holds, each the one most of the surviving occurrences continue with; and the tail's length (0: none)."""
+        holds, each the one most of the surviving occurrences continue with, stopping before a token fewer than
+        `min_share` of them agree on; and the tail's length (0: none)."""
         for n in range(min(self.max_ngram, len(context)), min_ngram - 1, -1):
             lo, hi = self._range(context[len(context) - n:])
             if hi <= lo:
@@ -107,6 +115,8 @@ class Corpus:
                     break
                 counts = np.bincount(following)
                 token = int(np.argmax(counts))  # ties: the smaller id, deterministically
+                if counts[token] < min_share * len(following):
+                    break
                 out.append(token)
                 at = at[self.tokens[at] == token] + 1
             return out, n
@@ -132,7 +142,7 @@ class CorpusDrafter:
         draft = self.lookup.propose(context, k)
         if draft.k > 0 or k <= 0:
             return draft
-        tokens, _ = self.corpus.continuation(context, k)
+        tokens, _ = self.corpus.continuation(context, k, min_share=MIN_SHARE)
         return Draft(tokens=np.asarray(tokens, dtype=np.int64))  # [<= k]
 
     def accept(self, n_accepted: int, next_token: int) -> None:
