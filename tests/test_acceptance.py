@@ -500,3 +500,12 @@ def test_sample_distinct_draws_each_token_from_the_depleted_law(p, m, seed):
         assert rows[i, t] > 0 and (rows[i, tokens[:i]] == 0).all()
         kept = np.where(np.isin(np.arange(len(p)), tokens[:i]), 0.0, p)  # p without the earlier draws
         np.testing.assert_allclose(rows[i], kept / kept.sum())
+
+
+def test_sample_never_returns_a_token_past_the_vocabulary_when_the_mass_is_subnormal():
+    """A row depleted to a subnormal total (hypothesis found [1, 5e-324, 0, ...] minus its first draw) makes
+    u * total round up to the total itself; the draw must still be the token that holds the mass."""
+    from specdec.runtime.sampling import sample
+
+    probs = np.array([0.0, 5e-324, 0.0, 0.0])
+    assert all(sample(probs, np.random.default_rng(seed)) == 1 for seed in range(64))

@@ -114,9 +114,10 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     if not total > 0.0:
         raise ValueError("cannot sample from a distribution with no mass")
     # side="right" picks the first token whose cdf exceeds u, which skips zero-mass tokens
-    # (their cdf equals their predecessor's). No clamp is needed: random() <= 1 - 2**-53, and
-    # (1 - 2**-53) * total rounds to below total for every normal float, so some cdf entry exceeds u.
-    return int(cdf.searchsorted(rng.random() * total, side="right"))
+    # (their cdf equals their predecessor's). random() <= 1 - 2**-53 keeps u below a normal total, but a
+    # subnormal total (a row depleted down to 5e-324) rounds u up to it: then the last token with mass.
+    token = int(cdf.searchsorted(rng.random() * total, side="right"))
+    return token if token < len(cdf) else int(np.flatnonzero(probs)[-1])
 
 
 def select_token(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator) -> int:
