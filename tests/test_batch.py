@@ -339,7 +339,16 @@ def test_disk_full_leaves_no_partial_line(tmp_path, tiny_bundle, job_input):
     assert code == 0 and "5 this run, 2 already there" in stdout
 
 
-def test_ctrl_c_during_a_write_is_held_until_the_line_is_whole(tmp_path, monkeypatch):
+@pytest.fixture
+def sigint_delivered():
+    """Python's own Ctrl-C handler for the test: a shell starts background jobs (`pytest &`) with SIGINT ignored,
+    and then nothing is there to hold."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_a_write_is_held_until_the_line_is_whole(tmp_path, monkeypatch, sigint_delivered):
     log = AppendLog(tmp_path / "x.jsonl")
     real_fsync = os.fsync
 

@@ -109,7 +109,7 @@ def test_bundle_corpus_decodes_identically_to_plain(tiny_bundle, tiny_distill_da
     engine = specdec.load(bundle, drafter="corpus")
     prompts = ["hello world", "the cat sat on the mat and the cat"]
     for prompt in prompts:
-        for k in (1, 3, 6):
+        for k in (1, 3, 6, "auto"):
             plain = engine.generate(prompt, specdec.GenerationConfig(max_new_tokens=24, draft_len=0)).token_ids
             spec = engine.generate(prompt, specdec.GenerationConfig(max_new_tokens=24, draft_len=k))
             assert spec.token_ids == plain
@@ -143,3 +143,54 @@ def test_min_share_stops_where_the_occurrences_disagree():
     # 3 of 4 continue "1" with 2; then 3, 4 and 5 each have a third
     assert corpus.continuation([1], 3, min_share=0.5) == ([2], 1)
     assert corpus.continuation([1], 3, min_share=0.8) == ([], 1)
+
+
+def test_drafts_carry_a_confidence_that_learns_from_what_the_target_kept():
+    """A corpus token's confidence is its share times the learnt reliability of corpus tokens after that long a
+    match; a drafted token the target did not keep lowers it, whether it was rejected or cut before verification
+    (the target's own token tells which)."""
+    from specdec.runtime.drafters.corpus import CORPUS_PRIOR, PRIOR_TRIALS
+
+    corpus = Corpus.from_texts([[1, 2, 3], [1, 2, 3], [1, 2, 4], [1, 9, 9]], VOCAB)
+    drafter = CorpusDrafter(NgramDrafter(max_ngram=3, min_ngram=2), corpus)
+    drafter.begin([40, 41], SamplingConfig(), np.random.default_rng(0))
+    rel = drafter.reliability[("corpus", 1)]
+    assert rel.rate == pytest.approx(CORPUS_PRIOR[1])
+    d = drafter.propose([40, 41, 1], 3)  # "1" is followed by 2 in 3 of 4 texts, then by 3 in 2 of those 3
+    assert d.tokens.tolist() == [2, 3]
+    np.testing.assert_allclose(d.confidence, np.array([3 / 4, 2 / 3]) * CORPUS_PRIOR[1])
+    hits, scores = rel.hits, rel.scores
+    drafter.accept(1, 7)  # 2 kept, then the target wrote 7 where 3 was drafted
+    assert (rel.hits, rel.scores) == pytest.approx((hits + 1, scores + 3 / 4 + 2 / 3))
+    assert rel.rate == pytest.approx((PRIOR_TRIALS * CORPUS_PRIOR[1] + 1) / (PRIOR_TRIALS + 3 / 4 + 2 / 3))
+    drafter.propose([40, 41, 1], 3)
+    hits = rel.hits
+    drafter.accept(0, 2)  # cut before verification, but 2 was the target's token: a hit
+    assert rel.hits == pytest.approx(hits + 1)
+    lookup = drafter.propose([40, 41, 5, 40, 41], 2)  # the prompt repeats: lookup tokens, scored 1 each
+    assert lookup.confidence.tolist() == [drafter.reliability[("lookup", 2)].rate] * 2
+
+
+def test_adaptive_cut_keeps_what_pays_for_its_verification():
+    """Hand-computed: costs 1, 1.5, 1.6, 1.7, 2.0 for T = 1..5 and confidences 0.9, 0.9, 0.1, 0.9 give expected
+    tokens 1, 1.9, 2.71, 2.791, 2.8639 when keeping 0..4, per cost 1, 1.267, 1.694, 1.642, 1.432: keep 2."""
+    from specdec.runtime.draft_len import AdaptiveDraftLen, FixedDraftLen
+    from specdec.runtime.drafters.base import Draft
+
+    policy = AdaptiveDraftLen(verify_s=[1.0, 1.5, 1.6, 1.7, 2.0], draft_s=0.0)
+    draft = Draft(tokens=np.array([5, 6, 7, 8]), confidence=np.array([0.9, 0.9, 0.1, 0.9]))
+    assert policy.cut(draft).tokens.tolist() == [5, 6]
+    assert policy.cut(draft).confidence.tolist() == [0.9, 0.9]
+    shaky = Draft(tokens=np.array([5, 6]), confidence=np.array([0.3, 0.3]))  # (1 + 0.3 + 0.09) / 1.6 < 1
+    assert policy.cut(shaky).k == 0
+    # A width timed cheaper than a narrower one (noise) is costed as the narrower: at 1.2, keeping both tokens
+    # would look best (1.39 / 1.2 > 1); at 1.5, neither pays.
+    noisy = AdaptiveDraftLen(verify_s=[1.0, 1.5, 1.2], draft_s=0.0)
+    assert noisy.cut(Draft(tokens=np.array([5, 6]), confidence=np.array([0.3, 0.3]))).k == 0
+    assert FixedDraftLen(4).cut(draft) is draft
+    no_confidence = Draft(tokens=np.array([5, 6]))
+    assert policy.cut(no_confidence) is no_confidence
+    with pytest.raises(ValueError, match="probabilities"):
+        Draft(tokens=np.array([5]), confidence=np.array([1.5]))
+    with pytest.raises(ValueError, match="one value per token"):
+        Draft(tokens=np.array([5, 6]), confidence=np.array([0.5]))

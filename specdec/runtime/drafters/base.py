@@ -30,6 +30,9 @@ class Draft:
     # A token tree: node i hangs under node parents[i], -1 being the round's input token. None: a chain, each
     # token under the one before. The target verifies every node in one step (tree attention mask).
     parents: np.ndarray | None = None  # [k] int64
+    # The drafter's estimate that token i is accepted once tokens < i were (chains only). An adaptive draft
+    # length cuts the chain where verifying more costs more than it is expected to yield (draft_len.py).
+    confidence: np.ndarray | None = None  # [k] float64 in [0, 1]
 
     def __post_init__(self) -> None:
         if self.tokens.ndim != 1:
@@ -42,6 +45,18 @@ class Draft:
             raise ValueError(
                 f"p_draft has {self.p_draft.shape[0]} rows for {self.tokens.shape[0]} draft tokens"
             )
+        if self.confidence is not None:
+            if self.parents is not None or self.confidence.shape != self.tokens.shape:
+                raise ValueError("confidence is one value per token of a chain draft")
+            if not ((self.confidence >= 0) & (self.confidence <= 1)).all():
+                raise ValueError("confidence values are probabilities in [0, 1]")
+
+    def head(self, n: int) -> "Draft":
+        """The chain's first n tokens (with their rows and confidences)."""
+        if self.parents is not None:
+            raise ValueError("head() cuts chains; a tree is pruned by its drafter")
+        return Draft(tokens=self.tokens[:n], p_draft=None if self.p_draft is None else self.p_draft[:n],
+                     confidence=None if self.confidence is None else self.confidence[:n])
 
     @property
     def k(self) -> int:

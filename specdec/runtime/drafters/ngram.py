@@ -55,9 +55,14 @@ class NgramDrafter:
 
     def has_match(self, context: Sequence[int]) -> bool:
         """Whether propose(context, k > 0) would find something to propose."""
-        return self.propose(context, 1).k > 0
+        return self.lookup(context, 1)[1] > 0
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
+        return Draft(tokens=np.asarray(self.lookup(context, k)[0], dtype=np.int64))  # [k], or [0]: no match
+
+    def lookup(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
+        """The k tokens that followed the latest earlier occurrence of the context's longest matching tail, and
+        that tail's length n; ([], 0) when no tail of min_ngram..max_ngram tokens occurred before."""
         self._sync(context)
         tokens = self._tokens
         for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
@@ -72,8 +77,8 @@ class NgramDrafter:
             proposal: list[int] = []
             for pos in range(start, start + k):
                 proposal.append(tokens[pos] if pos < len(tokens) else proposal[pos - len(tokens)])
-            return Draft(tokens=np.asarray(proposal, dtype=np.int64))  # [k]
-        return Draft(tokens=np.zeros(0, dtype=np.int64))  # [0] no match: the target decodes plainly
+            return proposal, n
+        return [], 0
 
     def accept(self, n_accepted: int, next_token: int) -> None:
         # Nothing to do: the context given to the next propose() holds the accepted tokens and
