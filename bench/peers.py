@@ -12,8 +12,8 @@ Peers (each in its own worker process, so its peak RSS is its own):
   genai-int4         onnxruntime-genai, the builder's int4 model, greedy
   genai-int4-lookup  the same with n-gram speculation
   specdec[-V]:D[:K]  specdec on the bundle bundles/smollm2[-V] (see --bundles), drafter D
-                     (none, ngram, model, hybrid), draft length K (an integer or auto),
-                     e.g. specdec:none, specdec:hybrid:4, specdec-int4:ngram:auto
+                     (any of specdec's, e.g. none, ngram, corpus, model, hybrid), draft length K
+                     (an integer or auto), e.g. specdec:none, specdec:corpus:auto, specdec-int4:ngram:auto
 
 Every peer gets the token ids of the model's chat template (add_generation_prompt=True)
 applied to a Spec-Bench question's first turn, computed once here; no peer tokenizes text.
@@ -62,6 +62,8 @@ for _p in (str(HERE), str(REPO)):
         sys.path.insert(0, _p)
 
 from prompts import load_spec_bench  # noqa: E402
+
+from specdec.runtime.drafters import DRAFTER_CHOICES  # noqa: E402  (runtime only: no torch in this process)
 
 DEFAULT_QUESTIONS = os.environ.get("SPECDEC_SPEC_BENCH", "/work/shared/data/spec_bench_questions.jsonl")
 
@@ -376,8 +378,8 @@ def specdec_peer(name: str, bundles: str) -> dict | None:
         return None
     drafter, _, k = rest.partition(":")
     drafter = drafter or "none"
-    if drafter not in ("none", "ngram", "model", "hybrid"):
-        raise SystemExit(f"peer {name}: unknown drafter {drafter!r} (none, ngram, model, hybrid)")
+    if drafter not in DRAFTER_CHOICES:
+        raise SystemExit(f"peer {name}: unknown drafter {drafter!r} ({', '.join(DRAFTER_CHOICES)})")
     k = k or ("0" if drafter == "none" else "auto")
     if k != "auto" and not k.isdigit():
         raise SystemExit(f"peer {name}: draft length must be an integer or auto")
