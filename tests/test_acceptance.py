@@ -509,3 +509,22 @@ def test_sample_never_returns_a_token_past_the_vocabulary_when_the_mass_is_subno
 
     probs = np.array([0.0, 5e-324, 0.0, 0.0])
     assert all(sample(probs, np.random.default_rng(seed)) == 1 for seed in range(64))
+
+
+def test_greedy_rules_on_the_target_choices_match_the_rules_on_logits():
+    """greedy_accept(_choices) and tree_greedy_accept(_choices) agree; the choices forms check their length."""
+    from specdec.runtime.acceptance import greedy_accept_choices, tree_greedy_accept, tree_greedy_accept_choices
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        k = int(rng.integers(0, 5))
+        logits = rng.normal(size=(k + 1, 6))
+        draft = np.where(rng.random(k) < 0.7, np.argmax(logits, axis=-1)[:k], rng.integers(0, 6, k))
+        assert greedy_accept(draft, logits) == greedy_accept_choices(draft, np.argmax(logits, axis=-1))
+        parents = np.array([-1, -1, 0, 2, 1])[:k] if k else np.zeros(0, dtype=np.int64)
+        assert tree_greedy_accept(draft, parents, logits) == \
+            tree_greedy_accept_choices(draft, parents, np.argmax(logits, axis=-1))
+    assert greedy_accept_choices(np.array([4, 2]), np.array([4, 2, 9])) == (2, 9)  # all kept, bonus 9
+    assert greedy_accept_choices(np.array([4, 2]), np.array([4, 3, 9])) == (1, 3)  # correction 3
+    with pytest.raises(ValueError, match="3 positions"):
+        greedy_accept_choices(np.array([4, 2]), np.array([4, 2]))

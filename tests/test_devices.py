@@ -473,6 +473,27 @@ def test_device_logits_path_matches_the_host_path(tiny_bundle, graph):
         dev.kv.advance(T)
 
 
+@pytest.mark.parametrize("device_logits", [False, True])
+def test_greedy_choices_come_from_the_graph_argmax(tiny_bundle, device_logits):
+    """The target graph's `argmax` output (bound to host memory even when the logits stay on the device) is the
+    logits' argmax at every position; a graph without it (the draft graph) gives the same from its logits."""
+    target = _decoder(tiny_bundle, "target", device_logits=device_logits)
+    draft = _decoder(tiny_bundle, "draft", device_logits=device_logits)
+    assert target.spec.has_argmax and not draft.spec.has_argmax
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, target.model.vocab_size, size=(1, 20))
+    target.prefill(prompt)
+    draft.prefill(prompt)
+    for T in (1, 5, 9):
+        step = rng.integers(3, target.model.vocab_size, size=(1, T))
+        for dec in (target, draft):
+            choices = dec.forward_choices(step).copy()  # [1, T]
+            assert choices.shape == (1, T) and choices.dtype == np.int64
+            np.testing.assert_array_equal(choices, np.argmax(dec.forward(step), axis=-1))
+        target.kv.advance(T)
+        draft.kv.advance(T)
+
+
 def test_device_logits_rows_for_several_batch_rows(tiny_bundle):
     dev = _decoder(tiny_bundle, device_logits=True)
     V = dev.model.vocab_size

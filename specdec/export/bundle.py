@@ -94,10 +94,11 @@ def bundle_files(folder: Path) -> dict[str, str]:
 
 
 def _graph_spec(file: str, cfg: ModelConfig, precision: str, n_layers: int, hidden: tuple[int, ...] = (),
-                quant: dict | None = None, tree: bool = False) -> GraphSpec:
+                quant: dict | None = None, tree: bool = False, argmax: bool = False) -> GraphSpec:
     return GraphSpec(file=file, model=cfg, precision=precision, n_layers=n_layers,
                      inputs=CONTROL_INPUTS + ((ATTENTION_BIAS,) if tree else ()) + tuple(kv_input_names(n_layers)),
-                     outputs=("logits", *kv_output_names(n_layers), *(f"hidden.{t}" for t in hidden)),
+                     outputs=("logits", *(("argmax",) if argmax else ()), *kv_output_names(n_layers),
+                              *(f"hidden.{t}" for t in hidden)),
                      hidden_layers=hidden, quant=quant or {})
 
 
@@ -160,9 +161,11 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         graphs: dict[str, GraphSpec] = {}
 
         step(f"writing target graph ({cfg.precision})")
-        save_graph(target_graph(model_cfg, weights, cfg.precision, hidden_layers=taps, tree=tree), partial / "target.onnx")
+        save_graph(target_graph(model_cfg, weights, cfg.precision, hidden_layers=taps, tree=tree, argmax=True),
+                   partial / "target.onnx")
         quant = TARGET_PRESETS[cfg.precision].to_dict() if cfg.precision in TARGET_PRESETS else None
-        graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, hidden=taps, tree=tree, quant=quant)
+        graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, hidden=taps, tree=tree, quant=quant,
+                                       argmax=True)
         step("checking target graph against transformers")
         check = check_logits(source.model, partial / "target.onnx", graphs["target"])
         if not check.passes(cfg.precision):

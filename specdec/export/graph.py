@@ -164,7 +164,8 @@ class _Builder:
 def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tuple[int, ...] = (),
                         n_layers: int | None = None, dtype=np.float32, first_layer: int = 0,
                         logits: bool = True, features: FeatureEntry | None = None,
-                        head_vocab: np.ndarray | None = None, tree: bool = False) -> onnx.ModelProto:
+                        head_vocab: np.ndarray | None = None, tree: bool = False,
+                        argmax: bool = False) -> onnx.ModelProto:
     """Write the decoder as ONNX: layers [first_layer, n_layers), then (if `logits`) final norm and LM head.
 
     `n_layers` < cfg.n_layers keeps only the first layers (early exit); `first_layer` > 0 starts from the
@@ -175,7 +176,11 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     embeddings (FeatureEntry). `head_vocab` [N] keeps only those rows of the LM head: logits [B,T,N] (cfg.vocab_size
     must then be N; the embedding still covers the whole vocabulary). `tree` adds the input `attention_bias`
     [B,1,T,P+T], added to every layer's attention scores (0 = may attend, -inf = may not): token-tree verification.
+    `argmax` adds the output `argmax` [B,T] int64, the logits' argmax (first on ties, as numpy's), computed where
+    the logits are: greedy verification on a GPU then copies T ids to the host instead of T x vocab logits.
     """
+    if argmax and not logits:
+        raise ValueError("an argmax output needs the logits")
     if np.dtype(dtype) not in [np.dtype(t) for t in GRAPH_DTYPES.values()]:
         raise ValueError(f"graph dtype must be float32 or float16, got {np.dtype(dtype)}")
     n_layers = cfg.n_layers if n_layers is None else n_layers
@@ -259,6 +264,8 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
                                       [pending, residual, b.init("final_norm", w.final_norm)], n_out=4,
                                       domain=MS, name="final_norm", epsilon=eps)  # [B,T,D]
         b.op("MatMul", [normed, head], outputs=["logits"], name="lm_head")  # [B,T,V]
+        if argmax:
+            b.op("ArgMax", ["logits"], outputs=["argmax"], name="argmax", axis=-1, keepdims=0)  # [B,T]
     else:  # one fp32 add, bit for bit the sum the next layer's SkipSimplifiedLayerNormalization forms
         residual = b.op("Add", [pending, residual], name="residual_out")[0]  # [B,T,D]
     taps[n_layers] = residual
@@ -281,6 +288,7 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         helper.make_tensor_value_info("query_lens", TensorProto.INT32, ["batch"]),
     ] + [helper.make_tensor_value_info(n, float_type, kv_shape) for n in kv_input_names(n_layers, first_layer)]
     outputs = [helper.make_tensor_value_info("logits", float_type, ["batch", "seq", cfg.vocab_size])] if logits else []
+    outputs += [helper.make_tensor_value_info("argmax", TensorProto.INT64, ["batch", "seq"])] if argmax else []
     outputs += [helper.make_tensor_value_info(n, float_type, kv_shape) for n in kv_output_names(n_layers, first_layer)]
     outputs += tap_outputs
     graph = helper.make_graph(b.nodes, "specdec_decoder", inputs, outputs, initializer=b.inits)

@@ -20,11 +20,18 @@ def greedy_accept(draft_tokens: np.ndarray, target_logits: np.ndarray) -> tuple[
     Returns (n_accepted, next_token): next_token is the target's correction at the first
     mismatch, or its bonus token when all k drafts match.
     """
+    target_logits = np.asarray(target_logits)  # [k+1, vocab]
+    _check_rows(target_logits, np.asarray(draft_tokens).shape[0])
+    return greedy_accept_choices(draft_tokens, np.argmax(target_logits, axis=-1))
+
+
+def greedy_accept_choices(draft_tokens: np.ndarray, target_choice: np.ndarray) -> tuple[int, int]:
+    """greedy_accept given the target's argmax per row [k+1] instead of its logits."""
     draft_tokens = np.asarray(draft_tokens)  # [k]
     k = draft_tokens.shape[0]
-    target_logits = np.asarray(target_logits)  # [k+1, vocab]
-    _check_rows(target_logits, k)
-    target_choice = np.argmax(target_logits, axis=-1)  # [k+1]
+    target_choice = np.asarray(target_choice)  # [k+1]
+    if target_choice.shape != (k + 1,):
+        raise ValueError(f"need the target's choice for {k + 1} positions, got shape {target_choice.shape}")
     mismatch = draft_tokens != target_choice[:k]  # [k]
     n_accepted = int(np.argmax(mismatch)) if mismatch.any() else k
     return n_accepted, int(target_choice[n_accepted])
@@ -93,12 +100,20 @@ def tree_greedy_accept(draft_tokens: np.ndarray, parents: np.ndarray, target_log
     tree with parents [-1, 0, 1, ...], for which this is greedy_accept. Returns (the accepted nodes along the
     path, next_token).
     """
+    _check_rows(np.asarray(target_logits), np.asarray(draft_tokens).shape[0])
+    return tree_greedy_accept_choices(draft_tokens, parents, np.argmax(target_logits, axis=-1))
+
+
+def tree_greedy_accept_choices(draft_tokens: np.ndarray, parents: np.ndarray,
+                               target_choice: np.ndarray) -> tuple[list[int], int]:
+    """tree_greedy_accept given the target's argmax per row [n+1] instead of its logits."""
     draft_tokens = np.asarray(draft_tokens)  # [n]
     parents = np.asarray(parents)  # [n]
     n = draft_tokens.shape[0]
-    _check_rows(np.asarray(target_logits), n)
+    target_choice = np.asarray(target_choice)  # [n+1]
+    if target_choice.shape != (n + 1,):
+        raise ValueError(f"need the target's choice for {n + 1} positions, got shape {target_choice.shape}")
     check_tree(parents)
-    target_choice = np.argmax(target_logits, axis=-1)  # [n+1]
     path: list[int] = []
     row = 0
     while True:

@@ -90,6 +90,9 @@ class Decoder:
             self._logits = None
         else:
             self._logits = np.empty(B * MAX_STEP * model.vocab_size, dtype=self._logits_dtype)
+        # The argmax output is bound to host memory even when the logits stay on the device: a greedy step then
+        # brings back T ids, not T x vocab floats.
+        self._argmax = np.empty(B * MAX_STEP if spec.has_argmax else 0, dtype=np.int64)
         self._hidden = {t: np.empty(B * MAX_STEP * model.hidden_size,
                                     dtype=_FLOAT_TYPES.get(out_types.get(f"hidden.{t}", ""), np.float32))
                         for t in spec.hidden_layers}
@@ -130,6 +133,7 @@ class Decoder:
                 [("logits", self._logits[: B * T * self.model.vocab_size].reshape(B, T, self.model.vocab_size))]
             views += [(f"hidden.{t}", buf[: B * T * self.model.hidden_size].reshape(B, T, self.model.hidden_size))
                       for t, buf in self._hidden.items()]
+            views += [("argmax", self._argmax[: B * T].reshape(B, T))] if self.spec.has_argmax else []
             self._out_views[T] = [(n, v, ort.OrtValue.ortvalue_from_numpy(v)) for n, v in views]
         return self._out_views[T]
 
@@ -155,6 +159,15 @@ class Decoder:
         if self.device_logits:
             return self._read_logits(B, T)
         return self._outputs_for(T)[0][1]
+
+    def forward_choices(self, tokens: np.ndarray, positions: np.ndarray | None = None,
+                        bias: np.ndarray | None = None) -> np.ndarray:
+        """Run a step like forward() and return the target's greedy choice at each position: the argmax of its
+        logits [B,T] int64 (a reused buffer). A graph with an `argmax` output computes it where the logits are."""
+        if not self.spec.has_argmax:
+            return np.argmax(self.forward(tokens, positions, bias=bias), axis=-1)
+        B, T = self._run(tokens, positions, bias=bias)
+        return self._argmax[: B * T].reshape(B, T)
 
     def _run(self, tokens: np.ndarray, positions: np.ndarray | None,
              query_lens: np.ndarray | None = None, features: np.ndarray | None = None,

@@ -114,6 +114,11 @@ class GraphSpec:
         return "logits" in self.outputs
 
     @property
+    def has_argmax(self) -> bool:
+        """Whether the graph outputs its logits' argmax (`argmax` [B,T] int64) beside them."""
+        return "argmax" in self.outputs
+
+    @property
     def has_features(self) -> bool:
         """An EAGLE head's graph: it takes a residual stream (`features`) beside the token ids."""
         return FEATURES in self.inputs

@@ -7,8 +7,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from specdec.runtime.acceptance import (greedy_accept, speculative_accept, tree_attention_bias, tree_depths,
-                                        tree_greedy_accept, tree_speculative_accept)
+from specdec.runtime.acceptance import (greedy_accept_choices, speculative_accept, tree_attention_bias, tree_depths,
+                                        tree_greedy_accept_choices, tree_speculative_accept)
 from specdec.runtime.decoder import MAX_STEP, Decoder
 from specdec.runtime.draft_len import DraftLenPolicy
 from specdec.runtime.drafters.base import Draft, Drafter
@@ -72,14 +72,25 @@ def verify_tree(target: Decoder, step: np.ndarray, draft: Draft, sampling: Sampl
     Returns (the accepted nodes, the next token)."""
     start = int(target.kv.lengths[0])
     positions = start + np.concatenate([[0], tree_depths(draft.parents)])[None, :]  # [1, n+1]
-    logits = target.forward(step, positions, bias=tree_attention_bias(draft.parents, start))[0]  # [n+1, vocab]
+    bias = tree_attention_bias(draft.parents, start)
     if sampling.greedy:
-        path, token = tree_greedy_accept(draft.tokens, draft.parents, logits)
+        choice = target.forward_choices(step, positions, bias=bias)[0]  # [n+1]
+        path, token = tree_greedy_accept_choices(draft.tokens, draft.parents, choice)
     else:
-        p_target = probs_from_logits(logits, sampling)  # [n+1, vocab]
+        p_target = probs_from_logits(target.forward(step, positions, bias=bias)[0], sampling)  # [n+1, vocab]
         path, token = tree_speculative_accept(draft.tokens, draft.parents, draft.p_draft, p_target, rng)
     target.keep_path(start + 1, np.asarray(path, dtype=np.int64))
     return path, token
+
+
+def verify_chain(target: Decoder, step: np.ndarray, draft: Draft, sampling: SamplingConfig,
+                 rng: np.random.Generator) -> tuple[int, int]:
+    """One verification of a chain step [1, k+1]. Greedy reads only the target's argmax per position (computed
+    in the graph where it has that output). Returns (n_accepted, the next token)."""
+    if sampling.greedy:
+        return greedy_accept_choices(draft.tokens, target.forward_choices(step)[0])  # [k+1] choices
+    p_target = probs_from_logits(target.forward(step)[0], sampling)  # [k+1, vocab]
+    return speculative_accept(draft.tokens, draft.p_draft, p_target, rng)
 
 
 def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int], n_cached: int,
@@ -114,12 +125,7 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
                 accepted, token = verify_tree(target, step, draft, sampling, rng)
                 n_accepted = len(accepted)
             else:
-                logits = target.forward(step)[0]  # [k+1, vocab]
-                if sampling.greedy:
-                    n_accepted, token = greedy_accept(draft.tokens, logits)
-                else:
-                    p_target = probs_from_logits(logits, sampling)  # [k+1, vocab]
-                    n_accepted, token = speculative_accept(draft.tokens, draft.p_draft, p_target, rng)
+                n_accepted, token = verify_chain(target, step, draft, sampling, rng)
                 accepted = list(range(n_accepted))
             t_verified = time.perf_counter()
             kv.advance(1 + n_accepted)

@@ -69,6 +69,13 @@ class SplitTarget:
             hidden = self.exit.hidden(self.exit_layer, tokens.shape[1])
         return self.tail.forward(hidden, positions, query_lens)
 
+    def forward_choices(self, tokens: np.ndarray, positions: np.ndarray | None = None,
+                        bias: np.ndarray | None = None) -> np.ndarray:
+        """The greedy choice at each position of a step [B,T] (see Decoder.forward_choices). Chains only."""
+        if bias is not None:
+            raise ValueError("a LayerSkip split verifies chains, not token trees")
+        return np.argmax(self.forward(tokens, positions), axis=-1)
+
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
         """Like Decoder.prefill: keep all of tokens [B,T], return the last position's logits [B,vocab]."""
         self.kv.check_room(tokens.shape[1])
