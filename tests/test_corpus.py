@@ -114,6 +114,11 @@ def test_bundle_corpus_decodes_identically_to_plain(tiny_bundle, tiny_distill_da
             spec = engine.generate(prompt, specdec.GenerationConfig(max_new_tokens=24, draft_len=k))
             assert spec.token_ids == plain
     assert spec.stats.drafted > 0  # the corpus did propose
+    n_first = len(engine.drafter.corpus)
+    r = CliRunner().invoke(main, ["corpus", str(bundle), "--data", str(tiny_distill_data), "--keep"])
+    assert r.exit_code == 0, r.output
+    grown = specdec.load(bundle, drafter="corpus").drafter.corpus
+    assert len(grown) == 2 * n_first and (grown.tokens[:n_first] == engine.drafter.corpus.tokens).all()
     bad = CliRunner().invoke(main, ["corpus", str(bundle), "--data", str(tmp_path / "none")])
     assert bad.exit_code != 0 and "no distillation shards" in bad.output + (bad.stderr if bad.stderr_bytes else "")
 
@@ -126,7 +131,10 @@ def test_export_copies_the_corpus_shipped_for_its_target(tiny_checkpoint, tiny_d
 
     monkeypatch.setattr(eagle, "SHIPPED_HEADS", tmp_path / "heads")
     (tmp_path / "heads").mkdir()
-    write_shipped_corpus(tiny_checkpoint, [tiny_distill_data], tmp_path / "heads" / "tiny.corpus.npz")
+    shipped = tmp_path / "heads" / "tiny.corpus.npz"
+    first = write_shipped_corpus(tiny_checkpoint, [tiny_distill_data], shipped)
+    grown = write_shipped_corpus(tiny_checkpoint, [tiny_distill_data], shipped, base=shipped)  # grown in place
+    assert grown["tokens"] == 2 * first["tokens"]
     m = export_bundle(tiny_checkpoint, tmp_path / "b", ExportConfig(drafter="ngram", max_len=128))
     assert m.drafter.corpus == "corpus.npz"
     engine = specdec.load(tmp_path / "b")
@@ -135,6 +143,10 @@ def test_export_copies_the_corpus_shipped_for_its_target(tiny_checkpoint, tiny_d
     assert m2.drafter.corpus is None
     with pytest.raises(SpecdecError, match="no corpus"):
         specdec.load(tmp_path / "b2", drafter="corpus")
+    from specdec.export.corpus import add_corpus
+
+    with pytest.raises(SpecdecError, match="no corpus to keep"):
+        add_corpus(tmp_path / "b2", [tiny_distill_data], keep=True)
 
 
 def test_min_share_stops_where_the_occurrences_disagree():

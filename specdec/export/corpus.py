@@ -55,13 +55,29 @@ def answers_of(folders: Sequence[Path], vocab_size: int) -> list[np.ndarray]:
     return texts
 
 
-def add_corpus(bundle: Path, folders: Sequence[Path]) -> dict:
-    """Write bundle/corpus.npz from the folders' answers and record it in the manifest (checksummed)."""
+def extended(base: Corpus | None, texts: Sequence[np.ndarray], vocab_size: int) -> Corpus:
+    """A corpus of `base`'s texts (if any) followed by `texts`."""
+    added = Corpus.from_texts(texts, vocab_size)
+    if base is None:
+        return added
+    if base.vocab_size != vocab_size:
+        raise SpecdecError(f"the corpus to extend has a vocabulary of {base.vocab_size}, the data {vocab_size}")
+    return Corpus(np.concatenate([base.tokens, added.tokens]), vocab_size)
+
+
+def add_corpus(bundle: Path, folders: Sequence[Path], keep: bool = False) -> dict:
+    """Write bundle/corpus.npz from the folders' answers (after the bundle's current corpus, with `keep`) and
+    record it in the manifest (checksummed)."""
     from specdec.export.bundle import bundle_files
 
     bundle = Path(bundle)
     m = read_manifest(bundle)
-    corpus = Corpus.from_texts(answers_of(folders, m.model.vocab_size), m.model.vocab_size)
+    base = None
+    if keep:
+        if m.drafter.corpus is None:
+            raise SpecdecError(f"bundle {bundle} has no corpus to keep", "leave out --keep to make one")
+        base = Corpus.load(bundle / m.drafter.corpus, m.model.vocab_size, m.tokenizer.vocab_digest)
+    corpus = extended(base, answers_of(folders, m.model.vocab_size), m.model.vocab_size)
     if not len(corpus):
         raise SpecdecError("the data holds no answers to build a corpus from")
     tmp = bundle / (CORPUS_FILE + ".tmp")
@@ -77,9 +93,10 @@ def add_corpus(bundle: Path, folders: Sequence[Path]) -> dict:
             "folders": [str(f) for f in folders]}
 
 
-def write_shipped_corpus(model_path, folders: Sequence[Path], out: Path) -> dict:
+def write_shipped_corpus(model_path, folders: Sequence[Path], out: Path, base: Path | None = None) -> dict:
     """A corpus for specdec/export/heads/ (`NAME.corpus.npz`): tagged with the target's weights fingerprint, so
-    that `specdec export` of that target copies it into every bundle."""
+    that `specdec export` of that target copies it into every bundle. `base`: a corpus file of the same target
+    whose texts come first (the shipped one, to grow it with new data)."""
     from specdec.export.eagle import target_fingerprint
     from specdec.export.graph import model_config_from_hf, weights_from_torch
     from specdec.runtime.tokenizer import vocab_digest
@@ -87,6 +104,16 @@ def write_shipped_corpus(model_path, folders: Sequence[Path], out: Path) -> dict
 
     source = load_source(model_path)
     cfg = model_config_from_hf(source.hf_config)
-    corpus = Corpus.from_texts(answers_of(folders, cfg.vocab_size), cfg.vocab_size)
-    corpus.save(out, vocab_digest(source.tokenizer.backend_tokenizer), target_fingerprint(weights_from_torch(source.model)))
+    digest = vocab_digest(source.tokenizer.backend_tokenizer)
+    fingerprint = target_fingerprint(weights_from_torch(source.model))
+    first = None
+    if base is not None:
+        with np.load(base) as d:
+            if str(d["target"]) != fingerprint:
+                raise SpecdecError(f"{base} holds another target's answers", "extend a corpus made for this model")
+        first = Corpus.load(base, cfg.vocab_size, digest)
+    corpus = extended(first, answers_of(folders, cfg.vocab_size), cfg.vocab_size)
+    staged = Path(str(out) + ".tmp")  # `out` may be `base` itself
+    corpus.save(staged, digest, fingerprint)
+    staged.replace(out)
     return {"tokens": len(corpus), "bytes": Path(out).stat().st_size}
