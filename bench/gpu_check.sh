@@ -11,7 +11,7 @@
 # it once with pip; this script never does) or MODEL=... / BUNDLE=....
 #
 # What it does: exports the default model (SmolLM2-135M-Instruct, int8 self-draft), then on CUDA and on
-# TensorRT runs plain greedy decoding and speculative decoding (self-draft k=4, n-gram k=4) on a few prompts,
+# TensorRT runs plain greedy decoding and speculative decoding (self-draft, n-gram, corpus: k=4) on a few prompts,
 # checks that every speculative output is token-identical to plain greedy on the same provider, and prints
 # one table of decode tok/s and tau. Exit 0 only if CUDA ran and every identity check passed.
 #
@@ -105,7 +105,10 @@ e.use_drafter("none")
 e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=16, draft_len=0))  # warm-up (TensorRT builds engines here)
 result["warmup_s"] = round(time.perf_counter() - t0, 2)
 plain_ids = {}
-for name, drafter, k in [("plain", "none", 0), ("model:4", "model", 4), ("ngram:4", "ngram", 4)]:
+configs = [("plain", "none", 0), ("model:4", "model", 4), ("ngram:4", "ngram", 4)]
+if e.manifest.drafter.corpus is not None:  # the default model's bundles carry the shipped corpus
+    configs.append(("corpus:4", "corpus", 4))
+for name, drafter, k in configs:
     e.use_drafter(drafter)
     toks = secs = fwd = acc = 0
     same = True
