@@ -22,7 +22,7 @@ from specdec.export.graph import (CONTROL_INPUTS, DecoderWeights, build_decoder_
 from specdec.export.layerskip import LayerSkipConfig
 from specdec.export.verify import check_logits
 from specdec.quant.weight_only import SELF_DRAFT_PRESETS, TARGET_PRESETS, quantize_weights
-from specdec.runtime.manifest import (ATTENTION_BIAS, MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
+from specdec.runtime.manifest import (ATTENTION_BIAS, LOGITS_ROWS, MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
                                       read_manifest, sha256_file)
 from specdec.runtime.tokenizer import vocab_digest
 
@@ -94,10 +94,12 @@ def bundle_files(folder: Path) -> dict[str, str]:
 
 
 def _graph_spec(file: str, cfg: ModelConfig, precision: str, n_layers: int, hidden: tuple[int, ...] = (),
-                quant: dict | None = None, tree: bool = False, argmax: bool = False) -> GraphSpec:
+                quant: dict | None = None, tree: bool = False, target: bool = False) -> GraphSpec:
+    """`target`: the bundle's target graph, with the `argmax` output and the `logits_rows` input."""
     return GraphSpec(file=file, model=cfg, precision=precision, n_layers=n_layers,
-                     inputs=CONTROL_INPUTS + ((ATTENTION_BIAS,) if tree else ()) + tuple(kv_input_names(n_layers)),
-                     outputs=("logits", *(("argmax",) if argmax else ()), *kv_output_names(n_layers),
+                     inputs=CONTROL_INPUTS + ((ATTENTION_BIAS,) if tree else ()) + ((LOGITS_ROWS,) if target else ())
+                     + tuple(kv_input_names(n_layers)),
+                     outputs=("logits", *(("argmax",) if target else ()), *kv_output_names(n_layers),
                               *(f"hidden.{t}" for t in hidden)),
                      hidden_layers=hidden, quant=quant or {})
 
@@ -161,11 +163,11 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         graphs: dict[str, GraphSpec] = {}
 
         step(f"writing target graph ({cfg.precision})")
-        save_graph(target_graph(model_cfg, weights, cfg.precision, hidden_layers=taps, tree=tree, argmax=True),
-                   partial / "target.onnx")
+        save_graph(target_graph(model_cfg, weights, cfg.precision, hidden_layers=taps, tree=tree, argmax=True,
+                                logits_rows=True), partial / "target.onnx")
         quant = TARGET_PRESETS[cfg.precision].to_dict() if cfg.precision in TARGET_PRESETS else None
         graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, hidden=taps, tree=tree, quant=quant,
-                                       argmax=True)
+                                       target=True)
         step("checking target graph against transformers")
         check = check_logits(source.model, partial / "target.onnx", graphs["target"])
         if not check.passes(cfg.precision):

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specdec.runtime.manifest import ATTENTION_BIAS, FEATURES, ModelConfig
+from specdec.runtime.manifest import ATTENTION_BIAS, FEATURES, LOGITS_ROWS, ModelConfig
 
 OPSET = 17
 MS = "com.microsoft"
@@ -165,7 +165,7 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
                         n_layers: int | None = None, dtype=np.float32, first_layer: int = 0,
                         logits: bool = True, features: FeatureEntry | None = None,
                         head_vocab: np.ndarray | None = None, tree: bool = False,
-                        argmax: bool = False) -> onnx.ModelProto:
+                        argmax: bool = False, logits_rows: bool = False) -> onnx.ModelProto:
     """Write the decoder as ONNX: layers [first_layer, n_layers), then (if `logits`) final norm and LM head.
 
     `n_layers` < cfg.n_layers keeps only the first layers (early exit); `first_layer` > 0 starts from the
@@ -178,9 +178,12 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     [B,1,T,P+T], added to every layer's attention scores (0 = may attend, -inf = may not): token-tree verification.
     `argmax` adds the output `argmax` [B,T] int64, the logits' argmax (first on ties, as numpy's), computed where
     the logits are: greedy verification on a GPU then copies T ids to the host instead of T x vocab logits.
+    `logits_rows` adds the input `logits_rows` [R] int64, the step positions that get logits (and argmax): outputs
+    [B,R,...]. A prefill chunk needs its last row only, and the LM head is ~a fifth of the model's weights. (A
+    Gather, not a Slice: its indices are data, not a shape, which TensorRT builds without shape profiles.)
     """
-    if argmax and not logits:
-        raise ValueError("an argmax output needs the logits")
+    if (argmax or logits_rows) and not logits:
+        raise ValueError("argmax and logits_rows need the logits")
     if np.dtype(dtype) not in [np.dtype(t) for t in GRAPH_DTYPES.values()]:
         raise ValueError(f"graph dtype must be float32 or float16, got {np.dtype(dtype)}")
     n_layers = cfg.n_layers if n_layers is None else n_layers
@@ -263,7 +266,9 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         normed, _, _, residual = b.op("SkipSimplifiedLayerNormalization",
                                       [pending, residual, b.init("final_norm", w.final_norm)], n_out=4,
                                       domain=MS, name="final_norm", epsilon=eps)  # [B,T,D]
-        b.op("MatMul", [normed, head], outputs=["logits"], name="lm_head")  # [B,T,V]
+        if logits_rows:
+            normed = b.op("Gather", [normed, LOGITS_ROWS], name="logits_rows", axis=1)[0]  # [B,R,D]
+        b.op("MatMul", [normed, head], outputs=["logits"], name="lm_head")  # [B,R,V] (R = T without logits_rows)
         if argmax:
             b.op("ArgMax", ["logits"], outputs=["argmax"], name="argmax", axis=-1, keepdims=0)  # [B,T]
     else:  # one fp32 add, bit for bit the sum the next layer's SkipSimplifiedLayerNormalization forms
@@ -282,13 +287,15 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         entry,
         *([helper.make_tensor_value_info(FEATURES, float_type, ["batch", "seq", D])] if features is not None else []),
         *([helper.make_tensor_value_info(ATTENTION_BIAS, float_type, ["batch", 1, "seq", "total"])] if tree else []),
+        *([helper.make_tensor_value_info(LOGITS_ROWS, TensorProto.INT64, ["rows"])] if logits_rows else []),
         helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
         helper.make_tensor_value_info("query_lens", TensorProto.INT32, ["batch"]),
     ] + [helper.make_tensor_value_info(n, float_type, kv_shape) for n in kv_input_names(n_layers, first_layer)]
-    outputs = [helper.make_tensor_value_info("logits", float_type, ["batch", "seq", cfg.vocab_size])] if logits else []
-    outputs += [helper.make_tensor_value_info("argmax", TensorProto.INT64, ["batch", "seq"])] if argmax else []
+    rows = "rows" if logits_rows else "seq"
+    outputs = [helper.make_tensor_value_info("logits", float_type, ["batch", rows, cfg.vocab_size])] if logits else []
+    outputs += [helper.make_tensor_value_info("argmax", TensorProto.INT64, ["batch", rows])] if argmax else []
     outputs += [helper.make_tensor_value_info(n, float_type, kv_shape) for n in kv_output_names(n_layers, first_layer)]
     outputs += tap_outputs
     graph = helper.make_graph(b.nodes, "specdec_decoder", inputs, outputs, initializer=b.inits)

@@ -53,7 +53,7 @@ from specdec.runtime.decoder import MAX_STEP, Decoder
 from specdec.runtime.draft_len import (ACCEPT_EMA, ACCEPT_PRIOR, AdaptiveDraftLen, DraftLenPolicy, choose_policy,
                                        median_seconds)
 from specdec.runtime.drafters.base import Draft
-from specdec.runtime.manifest import ATTENTION_BIAS
+from specdec.runtime.manifest import ATTENTION_BIAS, LOGITS_ROWS
 from specdec.runtime.drafters.draft_model import CONFIDENCE_STOP, draft_confidence
 from specdec.runtime.drafters.ngram import NgramDrafter
 from specdec.runtime.engine import AUTO_K_MAX, Engine, Generation, GenerationConfig, OutputText
@@ -88,12 +88,14 @@ class _RowBinding:
                 self.binding.bind_ortvalue_input(f"past.{i}.{kind}", view)
                 self.binding.bind_ortvalue_output(f"present.{i}.{kind}", view)
         self._logits, self._hidden = logits, hidden
+        self._argmax = np.empty(MAX_STEP, dtype=np.int64)  # bound because the graph has it; the rows read logits
         self._views: dict[int, list[tuple[str, np.ndarray, ort.OrtValue]]] = {}
 
     def _outputs(self, T: int) -> list[tuple[str, np.ndarray, ort.OrtValue]]:
         if T not in self._views:
             m = self.decoder.model
             views = [("logits", self._logits[: T * m.vocab_size].reshape(1, T, m.vocab_size))]
+            views += [("argmax", self._argmax[:T].reshape(1, T))] if self.decoder.spec.has_argmax else []
             views += [(f"hidden.{t}", b[: T * m.hidden_size].reshape(1, T, m.hidden_size))
                       for t, b in self._hidden.items()]
             self._views[T] = [(n, v, ort.OrtValue.ortvalue_from_numpy(v)) for n, v in views]
@@ -113,6 +115,8 @@ class _RowBinding:
         b.bind_cpu_input("query_lens", np.array([T], dtype=np.int32))
         if self.decoder.spec.has_tree_bias:  # a tree-capable graph run as a plain causal step
             b.bind_cpu_input(ATTENTION_BIAS, np.zeros((1, 1, T, length + T), dtype=self.decoder.bias_dtype))
+        if self.decoder.spec.has_logits_rows:
+            b.bind_cpu_input(LOGITS_ROWS, np.arange(T, dtype=np.int64))  # every position's logits
         for name, _, value in self._outputs(T):
             b.bind_ortvalue_output(name, value)
         self.decoder.session.run_with_iobinding(b)

@@ -18,7 +18,7 @@ import onnxruntime as ort
 
 from specdec.errors import SpecdecError
 from specdec.runtime.kv import KVCache
-from specdec.runtime.manifest import ATTENTION_BIAS, FEATURES, GPU_PRECISIONS, GraphSpec, ModelConfig
+from specdec.runtime.manifest import ATTENTION_BIAS, FEATURES, GPU_PRECISIONS, LOGITS_ROWS, GraphSpec, ModelConfig
 from specdec.runtime.session import RuntimeOptions, make_session
 from specdec.runtime.trt_engines import claim_engine_cache
 
@@ -96,7 +96,7 @@ class Decoder:
         self._hidden = {t: np.empty(B * MAX_STEP * model.hidden_size,
                                     dtype=_FLOAT_TYPES.get(out_types.get(f"hidden.{t}", ""), np.float32))
                         for t in spec.hidden_layers}
-        self._out_views: dict[int, list[tuple[str, np.ndarray, ort.OrtValue]]] = {}
+        self._out_views: dict[tuple[int, int], list[tuple[str, np.ndarray, ort.OrtValue]]] = {}
         self._features_dtype = np.dtype(_FLOAT_TYPES.get(types.get(FEATURES, ""), np.float32))
         self._tap_store: dict[int, np.ndarray] = {}  # tap -> [max_len, hidden], see keep_tap
         self.bias_dtype = np.dtype(_FLOAT_TYPES.get(types.get(ATTENTION_BIAS, ""), np.float32))
@@ -126,16 +126,17 @@ class Decoder:
         """Rows [start, stop) of a kept tap: [stop-start, hidden] (a view; valid below kv.lengths[0])."""
         return self._tap_store[tap][start:stop]
 
-    def _outputs_for(self, T: int) -> list[tuple[str, np.ndarray, ort.OrtValue]]:
-        if T not in self._out_views:
+    def _outputs_for(self, T: int, rows: int) -> list[tuple[str, np.ndarray, ort.OrtValue]]:
+        """Output buffers of a step of T positions whose last `rows` get logits (and argmax); logits first."""
+        if (T, rows) not in self._out_views:
             B = self.kv.batch
             views = [] if self._logits is None else \
-                [("logits", self._logits[: B * T * self.model.vocab_size].reshape(B, T, self.model.vocab_size))]
+                [("logits", self._logits[: B * rows * self.model.vocab_size].reshape(B, rows, self.model.vocab_size))]
             views += [(f"hidden.{t}", buf[: B * T * self.model.hidden_size].reshape(B, T, self.model.hidden_size))
                       for t, buf in self._hidden.items()]
-            views += [("argmax", self._argmax[: B * T].reshape(B, T))] if self.spec.has_argmax else []
-            self._out_views[T] = [(n, v, ort.OrtValue.ortvalue_from_numpy(v)) for n, v in views]
-        return self._out_views[T]
+            views += [("argmax", self._argmax[: B * rows].reshape(B, rows))] if self.spec.has_argmax else []
+            self._out_views[(T, rows)] = [(n, v, ort.OrtValue.ortvalue_from_numpy(v)) for n, v in views]
+        return self._out_views[(T, rows)]
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray | None = None,
                 query_lens: np.ndarray | None = None, features: np.ndarray | None = None,
@@ -158,7 +159,7 @@ class Decoder:
             return None
         if self.device_logits:
             return self._read_logits(B, T)
-        return self._outputs_for(T)[0][1]
+        return self._outputs_for(T, T)[0][1]
 
     def forward_choices(self, tokens: np.ndarray, positions: np.ndarray | None = None,
                         bias: np.ndarray | None = None) -> np.ndarray:
@@ -171,8 +172,11 @@ class Decoder:
 
     def _run(self, tokens: np.ndarray, positions: np.ndarray | None,
              query_lens: np.ndarray | None = None, features: np.ndarray | None = None,
-             bias: np.ndarray | None = None) -> tuple[int, int]:
+             bias: np.ndarray | None = None, last_rows: int | None = None) -> tuple[int, int]:
+        """Run a step; `last_rows`: logits for the step's last rows only (graphs with spec.has_logits_rows; the
+        others compute all T and the caller reads the rows it wants)."""
         B, T = tokens.shape[:2]
+        rows = T if last_rows is None or not self.spec.has_logits_rows else last_rows
         if T > MAX_STEP:
             raise ValueError(f"step of {T} tokens exceeds MAX_STEP={MAX_STEP}; prefill in chunks")
         q = np.full(B, T, dtype=np.int64) if query_lens is None else np.asarray(query_lens, dtype=np.int64)  # [B]
@@ -200,11 +204,13 @@ class Decoder:
             if bias is None:  # a plain causal step: an all-zero bias, a view of one preallocated zero buffer
                 bias = self._zero_bias[: B * T * total].reshape(B, 1, T, total)
             b.bind_cpu_input(ATTENTION_BIAS, np.ascontiguousarray(bias, dtype=self.bias_dtype))
-        for name, _, value in self._outputs_for(T):
+        if self.spec.has_logits_rows:
+            b.bind_cpu_input(LOGITS_ROWS, np.arange(T - rows, T, dtype=np.int64))
+        for name, _, value in self._outputs_for(T, rows):
             b.bind_ortvalue_output(name, value)
         if self.device_logits:
-            b.bind_output("logits", self._where[0], self._where[1], self._logits_dtype, [B, T, self.model.vocab_size],
-                          self._logits_dev.data_ptr())
+            b.bind_output("logits", self._where[0], self._where[1], self._logits_dtype,
+                          [B, rows, self.model.vocab_size], self._logits_dev.data_ptr())
         self.session.run_with_iobinding(b)
         for tap, store in self._tap_store.items():
             start = int(lengths[0])
@@ -230,17 +236,17 @@ class Decoder:
         return self._hidden[tap][: B * T * self.model.hidden_size].reshape(B, T, self.model.hidden_size)
 
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
-        """Run a prompt [B,T] in MAX_STEP chunks, keep all of it, return the last position's logits [B,vocab]."""
+        """Run a prompt [B,T] in MAX_STEP chunks, keep all of it, return the last position's logits [B,vocab].
+        Only the last chunk's last row is read; a graph with `logits_rows` computes no other row's logits."""
         B, T = tokens.shape[:2]
         self.kv.check_room(T)
         last = None
         for start in range(0, T, MAX_STEP):
             chunk = tokens[:, start:start + MAX_STEP]
-            if not self.device_logits:
-                last = self.forward(chunk)[:, -1, :].copy()  # [B,vocab]; copy: the buffer is reused
-            else:
-                b, t = self._run(chunk, None)
-                if start + MAX_STEP >= T:  # only the last chunk's last row is ever read: copy just that
-                    last = self._read_logits(b, t, t - 1)[:, 0, :].copy()  # [B,vocab]
+            b, t = self._run(chunk, None, last_rows=1)
+            if start + MAX_STEP >= T:
+                rows = 1 if self.spec.has_logits_rows else t
+                last = (self._read_logits(b, rows, rows - 1)[:, 0, :] if self.device_logits
+                        else self._outputs_for(t, rows)[0][1][:, -1, :]).copy()  # [B,vocab]; the buffer is reused
             self.kv.advance(chunk.shape[1])
         return last

@@ -25,6 +25,7 @@ GPU_PRECISIONS = ("fp16",)
 DRAFTER_KINDS = ("none", "ngram", "model", "layerskip", "eagle", "medusa")
 FEATURES = "features"  # an EAGLE head graph's input: the residual stream it drafts from
 ATTENTION_BIAS = "attention_bias"  # a tree-verifying graph's input: additive attention mask [B,1,T,P+T]
+LOGITS_ROWS = "logits_rows"  # target graphs: the step positions that get logits [R] (prefill: the last)
 
 
 def _require(cond: bool, what: str) -> None:
@@ -112,6 +113,11 @@ class GraphSpec:
     @property
     def has_logits(self) -> bool:
         return "logits" in self.outputs
+
+    @property
+    def has_logits_rows(self) -> bool:
+        """Whether the graph computes logits only for the step positions it is given (input `logits_rows`)."""
+        return LOGITS_ROWS in self.inputs
 
     @property
     def has_argmax(self) -> bool:
