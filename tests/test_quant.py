@@ -72,6 +72,15 @@ def test_quantize_errors(tiny_bundle, quantized, tmp_path):
         quantize_bundle(tiny_bundle, tmp_path / "y", "bf16")
     with pytest.raises(SpecdecError, match="already exists"):
         quantize_bundle(tiny_bundle, quantized["int8"], "int8")
+    # A bundle copied with hard links: onnx refuses its weight file; one line, and no output folder left behind.
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for f in tiny_bundle.iterdir():
+        if f.is_file():
+            (linked / f.name).hardlink_to(f)
+    with pytest.raises(SpecdecError, match="hard links"):
+        quantize_bundle(linked, tmp_path / "z", "int4")
+    assert not (tmp_path / "z").exists()
 
 
 # ----------------------------------------------------------------------------------------------- fp16

@@ -35,6 +35,18 @@ def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     return convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=True)
 
 
+def _load_with_weights(graph: Path) -> onnx.ModelProto:
+    """onnx.load with the external weights, its refusals as one line (e.g. a weight file with several hard links,
+    which onnx takes for an attack: a bundle copied with `cp -l`)."""
+    from onnx.checker import ValidationError
+
+    try:
+        return onnx.load(str(graph))
+    except (ValidationError, OSError) as e:
+        raise SpecdecError(f"cannot read graph {graph} with its weights ({e})",
+                           "copy the bundle with plain `cp -r` (no hard links), or re-export it") from None
+
+
 def _reads_data_file(graph: Path, data_file: str) -> bool:
     """Whether a graph keeps any of its weights in `data_file` (by offset, see save_graph_sharing)."""
     from onnx import external_data_helper
@@ -110,7 +122,7 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
             (partial / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / rel, partial / rel)
         step(f"writing target graph ({precision}{', ' + cfg.method if cfg else ''})")
-        target_model = convert(onnx.load(str(src / g.file)))
+        target_model = convert(_load_with_weights(src / g.file))
         # A target that gathers its embedding from its head's codes: the graphs reading its weights do too, so the
         # tied matrix is stored once for all of them (else each would keep an fp32 copy of its own).
         codes = head_codes(target_model) if any(n.op_type == "GatherBlockQuantized"
@@ -128,7 +140,7 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
         graphs = {**m.graphs, "target": target}
         for name, spec in sharing.items():
             step(f"rewriting graph {name!r} against the new target's weights")
-            model = onnx.load(str(src / spec.file))  # with its weights, read from the source bundle
+            model = _load_with_weights(src / spec.file)  # read from the source bundle
             if m.split_target and name in SPLIT_GRAPHS:
                 graphs[name] = replace(spec, precision=precision, quant=target.quant)
                 model = convert(model)
