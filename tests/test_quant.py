@@ -73,9 +73,13 @@ def test_quantize_errors(tiny_bundle, quantized, tmp_path):
     with pytest.raises(SpecdecError, match="already exists"):
         quantize_bundle(tiny_bundle, quantized["int8"], "int8")
     # A bundle copied with hard links: onnx refuses its weight file; one line, and no output folder left behind.
+    # (Linked to a copy: links to the session's tiny bundle would make every later test refuse it too.)
+    import shutil
+
+    own = shutil.copytree(tiny_bundle, tmp_path / "own")
     linked = tmp_path / "linked"
     linked.mkdir()
-    for f in tiny_bundle.iterdir():
+    for f in own.iterdir():
         if f.is_file():
             (linked / f.name).hardlink_to(f)
     with pytest.raises(SpecdecError, match="hard links"):
