@@ -13,7 +13,7 @@ sorted) is built on load, so a lookup is two binary searches.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -140,8 +140,8 @@ class Reliability:
     Starts as if PRIOR_TRIALS tokens had been tried at the prior rate, so one round cannot swing it."""
 
     prior: float
-    hits: float = 0.0
-    scores: float = 0.0
+    hits: float = field(init=False)
+    scores: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.hits, self.scores = PRIOR_TRIALS * self.prior, float(PRIOR_TRIALS)
