@@ -508,3 +508,27 @@ def test_gqa_ragged_rows_idle_rows_and_padding(tiny_bundle):
     before = s[:, :, 1].copy()
     d.forward(np.ones((3, 6), dtype=np.int64), query_lens=np.array([6, 0, 2]))
     assert (s[:, :, 1] == before).all()
+
+
+@pytest.fixture(scope="module")
+def fast_int4(tiny_bundle, tmp_path_factory):
+    from specdec.quant.bundle import quantize_bundle
+
+    return quantize_bundle(tiny_bundle, tmp_path_factory.mktemp("fast") / "int4f", "int4", fast_kernels=True)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_batched_fast_kernel_bundle_matches_the_engine_to_a_full_buffer(fast_int4, batch_size):
+    """A fast-kernel bundle pads every 1-token step to 2 tokens (its rows would round apart otherwise): batched
+    rows, run alone or side by side and up to the last KV slot, give the single-stream engine's tokens."""
+    from specdec.runtime.manifest import read_manifest
+
+    assert read_manifest(fast_int4).graphs["target"].min_step_tokens == 2
+    texts = ["the fox", "the quick brown fox jumps over the lazy dog", "tokens", "the target verifies drafts"]
+    cfgs = [GenerationConfig(max_new_tokens=100) for _ in texts]
+    for drafter in ("none", "ngram"):
+        ref = _alone(fast_int4, drafter, texts, cfgs, max_len=48)
+        assert all(r.finish_reason == "kv_full" for r in ref)
+        eng = BatchedEngine(fast_int4, batch_size, drafter=drafter, max_len=48)
+        got = {req.key: g for req, g in eng.run(_requests(eng, cfgs, texts))}
+        assert [got[i].token_ids for i in range(len(texts))] == [r.token_ids for r in ref], drafter

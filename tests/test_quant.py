@@ -185,17 +185,66 @@ def test_quantize_refuses_fp16_and_quantized_sources(fp16, quantized, tmp_path):
     assert not list(tmp_path.iterdir())  # refused before anything was written
 
 
-def test_fast_kernels_are_opt_in_and_flagged(tiny_bundle, tmp_path):
+@pytest.fixture(scope="module")
+def fast_int4(tiny_bundle, tmp_path_factory):
+    from specdec.quant.bundle import quantize_bundle
+
+    return quantize_bundle(tiny_bundle, tmp_path_factory.mktemp("fast") / "int4f", "int4", fast_kernels=True)
+
+
+def test_fast_kernels_are_opt_in_measured_and_padded_to_two_tokens(tiny_bundle, fast_int4, tmp_path):
+    """int8-activation kernels compute a 1-row step on another path than wider steps; quantize measures it and
+    records min_step_tokens 2, which makes the bundle T-invariant as the runtime runs it."""
+    from dataclasses import replace
+
     from specdec.errors import SpecdecError
     from specdec.quant.bundle import quantize_bundle
     from specdec.runtime.manifest import read_manifest
 
     exact = read_manifest(quantize_bundle(tiny_bundle, tmp_path / "exact", "int4")).graphs["target"]
-    fast = read_manifest(quantize_bundle(tiny_bundle, tmp_path / "fast", "int4", fast_kernels=True)).graphs["target"]
-    assert exact.t_invariant and not fast.t_invariant
+    fast = read_manifest(fast_int4).graphs["target"]
+    assert exact.t_invariant and exact.min_step_tokens == 1 and not exact.checks
     assert fast.quant["accuracy_level"] == 4
+    assert fast.checks["max_logit_diff_T_step_vs_1_token_steps"] > 0.0  # GQA's 1-row path rounds apart
+    assert fast.checks["max_logit_diff_T_step_vs_2_token_steps"] == 0.0
+    assert fast.min_step_tokens == 2 and fast.t_invariant
+    assert not replace(fast, min_step_tokens=1).t_invariant
     with pytest.raises(SpecdecError, match="fast-kernels"):
         quantize_bundle(tiny_bundle, tmp_path / "fp16", "fp16", fast_kernels=True)
+
+
+def test_fast_kernel_bundle_speculates_identically_to_its_plain_decoding(fast_int4):
+    e = specdec.load(fast_int4, drafter="ngram")
+    ids = e.encode(PROMPTS[0]) + [5, 6, 7, 8, 9]
+    assert t_invariance(e.target, ids) == 0.0  # single steps run padded to 2 rows
+    for prompt in PROMPTS:
+        e.use_drafter("none")
+        plain = e.generate(prompt, GenerationConfig(max_new_tokens=30, draft_len=0))
+        for drafter, k in (("ngram", 4), ("model", 2), ("model", 5), ("ngram", "auto")):
+            e.use_drafter(drafter)
+            assert e.generate(prompt, GenerationConfig(max_new_tokens=30, draft_len=k)).token_ids == plain.token_ids
+
+
+def test_padded_single_step_fits_at_the_end_of_the_buffer(fast_int4):
+    """The padding row of a step at the last free position goes to the cache's slack, not out of bounds."""
+    from specdec.runtime.decoder import Decoder
+    from specdec.runtime.kv import KVCache
+    from specdec.runtime.manifest import read_manifest
+
+    g = read_manifest(fast_int4).graphs["target"]
+    n = 12
+    kv = KVCache.for_graph(g, 1, n)
+    assert kv.capacity == n + 1 and kv.max_len == n
+    dec = Decoder(fast_int4 / g.file, g, g.model, kv, RuntimeOptions())
+    ids = np.arange(3, 3 + n, dtype=np.int64)[None]  # [1, n]
+    wide = dec.prefill(ids[:, :n - 1]).copy()  # [1, vocab] logits after n-1 tokens, from a wide step
+    dec.kv.truncate(n - 2)
+    single = dec.forward(ids[:, n - 2:n - 1])[0, 0]  # [vocab] the same position as a padded 1-row step
+    np.testing.assert_array_equal(single, wide[0])
+    dec.kv.advance(1)
+    assert dec.forward(ids[:, n - 1:n]).shape == (1, 1, g.model.vocab_size)  # the last slot: the pad needs slack
+    with pytest.raises(SpecdecError, match="does not fit the KV buffer"):
+        dec.forward(ids[:, :2])
 
 
 def _matmul_model(W):

@@ -148,6 +148,12 @@ def test_manifest_errors(tiny_bundle, tmp_path):
     with pytest.raises(SpecdecError, match="version 99"):
         read_manifest(broken)
     m["version"] = 1
+    for bad in (0, 9, 1.5):
+        m["graphs"]["target"]["min_step_tokens"] = bad
+        (broken / "specdec.json").write_text(json.dumps(m))
+        with pytest.raises(SpecdecError, match="min_step_tokens must be an integer in 1..8"):
+            read_manifest(broken)
+    del m["graphs"]["target"]["min_step_tokens"]
     m["drafter"]["kind"] = "telepathy"
     (broken / "specdec.json").write_text(json.dumps(m))
     with pytest.raises(SpecdecError, match="drafter.kind"):

@@ -328,8 +328,7 @@ def check_split(partial: Path, graphs: dict, vocab_size: int, n: int = 48, seed:
     ids = np.random.default_rng(seed).integers(0, vocab_size, size=(1, n))
 
     def kv(g):
-        m = g.model
-        return KVCache(m.n_layers, 1, m.n_kv_heads, n, m.head_dim, dtype=g.kv_dtype)
+        return KVCache.for_graph(g, 1, n)
 
     full = Decoder(partial / graphs["target"].file, graphs["target"], graphs["target"].model, kv(graphs["target"]), opts)
     exit_slice = Decoder(partial / graphs["exit"].file, graphs["exit"], graphs["exit"].model, kv(graphs["exit"]), opts)

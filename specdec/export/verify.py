@@ -66,7 +66,7 @@ def _graph_logits(graph_path: Path, spec: GraphSpec, ids: np.ndarray) -> np.ndar
     one multi-token step, the verification shape."""
     cfg = spec.model
     n = ids.shape[1]
-    kv = KVCache(cfg.n_layers, 1, cfg.n_kv_heads, n, cfg.head_dim, dtype=spec.kv_dtype)
+    kv = KVCache.for_graph(spec, 1, n)
     # The check runs on the CPU provider whatever the graph's precision: ORT's CPU kernels take fp16, slowly.
     dec = Decoder(graph_path, spec, cfg, kv, RuntimeOptions(allow_cpu_fp16=True))
     split = n - 8

@@ -103,9 +103,12 @@ class _RowBinding:
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens at the row's length (not advanced); return logits [T, vocab] (a reused buffer)."""
-        T = len(tokens)
+        real_T = len(tokens)
         kv = self.decoder.kv
-        kv.check_room(T, self.row)
+        kv.check_room(real_T, self.row)
+        # A graph with min_step_tokens > 1 computes a 1-token step on another kernel path: pad as Decoder does.
+        tokens = list(tokens) + [tokens[-1]] * max(0, self.decoder.spec.min_step_tokens - real_T)
+        T = len(tokens)
         length = int(kv.lengths[self.row])
         b = self.binding
         b.bind_cpu_input("input_ids", np.asarray([tokens], dtype=np.int64))
@@ -120,7 +123,7 @@ class _RowBinding:
         for name, _, value in self._outputs(T):
             b.bind_ortvalue_output(name, value)
         self.decoder.session.run_with_iobinding(b)
-        return self._outputs(T)[0][1][0]
+        return self._outputs(T)[0][1][0, :real_T]
 
 
 class BatchedDecoder:
@@ -319,8 +322,8 @@ class BatchedEngine:
 
     def _decoder(self, name: str) -> Decoder:
         g = self.manifest.graphs[name]
-        kv = KVCache(g.model.n_layers, self.batch_size, g.model.n_kv_heads, self.max_len, g.model.head_dim,
-                     device=self.runtime.device, device_id=self.runtime.device_id, dtype=g.kv_dtype)
+        kv = KVCache.for_graph(g, self.batch_size, self.max_len, device=self.runtime.device,
+                               device_id=self.runtime.device_id)
         return Decoder(self.path / g.file, g, g.model, kv, self.runtime)
 
     # ------------------------------------------------------------------------------------------ policy

@@ -100,7 +100,11 @@ class Decoder:
         self._features_dtype = np.dtype(_FLOAT_TYPES.get(types.get(FEATURES, ""), np.float32))
         self._tap_store: dict[int, np.ndarray] = {}  # tap -> [max_len, hidden], see keep_tap
         self.bias_dtype = np.dtype(_FLOAT_TYPES.get(types.get(ATTENTION_BIAS, ""), np.float32))
-        self._zero_bias = np.zeros(kv.batch * MAX_STEP * kv.max_len if spec.has_tree_bias else 0, self.bias_dtype)
+        self._zero_bias = np.zeros(kv.batch * MAX_STEP * kv.capacity if spec.has_tree_bias else 0, self.bias_dtype)
+        if kv.capacity - kv.max_len < spec.min_step_tokens - 1:
+            raise ValueError(f"graph {path.name} pads steps to {spec.min_step_tokens} rows: its KV cache needs "
+                             f"slack={spec.min_step_tokens - 1}")
+        self._T_run = 0  # width the last step ran at (>= its real width when padded to spec.min_step_tokens)
 
     def keep_path(self, start: int, slots: np.ndarray) -> None:
         """After a tree step at cache length `start`, move the K/V (and kept taps) of the accepted nodes' slots
@@ -157,9 +161,9 @@ class Decoder:
         B, T = self._run(tokens, positions, query_lens, features, bias)
         if not self.spec.has_logits:
             return None
-        if self.device_logits:
-            return self._read_logits(B, T)
-        return self._outputs_for(T, T)[0][1]
+        T_run = self._T_run
+        logits = self._read_logits(B, T_run) if self.device_logits else self._outputs_for(T_run, T_run)[0][1]
+        return logits if T_run == T else logits[:, :T]
 
     def forward_choices(self, tokens: np.ndarray, positions: np.ndarray | None = None,
                         bias: np.ndarray | None = None) -> np.ndarray:
@@ -168,15 +172,15 @@ class Decoder:
         if not self.spec.has_argmax:
             return np.argmax(self.forward(tokens, positions, bias=bias), axis=-1)
         B, T = self._run(tokens, positions, bias=bias)
-        return self._argmax[: B * T].reshape(B, T)
+        return self._argmax[: B * self._T_run].reshape(B, self._T_run)[:, :T]
 
     def _run(self, tokens: np.ndarray, positions: np.ndarray | None,
              query_lens: np.ndarray | None = None, features: np.ndarray | None = None,
              bias: np.ndarray | None = None, last_rows: int | None = None) -> tuple[int, int]:
         """Run a step; `last_rows`: logits for the step's last rows only (graphs with spec.has_logits_rows; the
-        others compute all T and the caller reads the rows it wants)."""
+        others compute all T and the caller reads the rows it wants). Returns (B, T) of the real step; a step
+        padded to spec.min_step_tokens ran at self._T_run >= T positions, its real ones first."""
         B, T = tokens.shape[:2]
-        rows = T if last_rows is None or not self.spec.has_logits_rows else last_rows
         if T > MAX_STEP:
             raise ValueError(f"step of {T} tokens exceeds MAX_STEP={MAX_STEP}; prefill in chunks")
         q = np.full(B, T, dtype=np.int64) if query_lens is None else np.asarray(query_lens, dtype=np.int64)  # [B]
@@ -186,6 +190,17 @@ class Decoder:
         lengths = self.kv.lengths
         if positions is None:
             positions = lengths[:, None] + np.arange(T, dtype=np.int64)[None, :]  # [B,T]
+        real_T, rows_idx = T, None
+        if last_rows is not None and self.spec.has_logits_rows:
+            rows_idx = np.arange(T - last_rows, T, dtype=np.int64)  # the real step's last rows, padded or not
+        if T < self.spec.min_step_tokens:  # per row: GroupQueryAttention picks its path by T, not by B x T
+            tokens, positions, q, features, bias = _pad_step(self.spec.min_step_tokens, tokens, positions, q,
+                                                             features, bias)
+            T = tokens.shape[1]
+        self._T_run = T
+        if rows_idx is None:
+            rows_idx = np.arange(T, dtype=np.int64)
+        rows = len(rows_idx)
         b = self.binding
         b.bind_cpu_input(self.spec.entry, np.ascontiguousarray(tokens, dtype=self._entry_dtype))
         b.bind_cpu_input("position_ids", np.ascontiguousarray(positions, dtype=np.int64))
@@ -205,17 +220,17 @@ class Decoder:
                 bias = self._zero_bias[: B * T * total].reshape(B, 1, T, total)
             b.bind_cpu_input(ATTENTION_BIAS, np.ascontiguousarray(bias, dtype=self.bias_dtype))
         if self.spec.has_logits_rows:
-            b.bind_cpu_input(LOGITS_ROWS, np.arange(T - rows, T, dtype=np.int64))
+            b.bind_cpu_input(LOGITS_ROWS, rows_idx)
         for name, _, value in self._outputs_for(T, rows):
             b.bind_ortvalue_output(name, value)
         if self.device_logits:
             b.bind_output("logits", self._where[0], self._where[1], self._logits_dtype,
                           [B, rows, self.model.vocab_size], self._logits_dev.data_ptr())
         self.session.run_with_iobinding(b)
-        for tap, store in self._tap_store.items():
+        for tap, store in self._tap_store.items():  # batch 1: the real rows are the first real_T
             start = int(lengths[0])
-            store[start:start + T] = self._hidden[tap][: T * self.model.hidden_size].reshape(T, -1)
-        return B, T
+            store[start:start + real_T] = self._hidden[tap][: real_T * self.model.hidden_size].reshape(real_T, -1)
+        return B, real_T
 
     def _read_logits(self, B: int, T: int, first: int = 0) -> np.ndarray:
         """Rows [first, T) of every batch row of the last step's device logits [B,T,vocab], on the host."""
@@ -232,8 +247,8 @@ class Decoder:
 
     def hidden(self, tap: int, T: int) -> np.ndarray:
         """The tap's output of the last forward of width T: [B,T,hidden] (a reused buffer)."""
-        B = self.kv.batch
-        return self._hidden[tap][: B * T * self.model.hidden_size].reshape(B, T, self.model.hidden_size)
+        B, T_run = self.kv.batch, max(T, self._T_run)
+        return self._hidden[tap][: B * T_run * self.model.hidden_size].reshape(B, T_run, self.model.hidden_size)[:, :T]
 
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
         """Run a prompt [B,T] in MAX_STEP chunks, keep all of it, return the last position's logits [B,vocab].
@@ -245,8 +260,32 @@ class Decoder:
             chunk = tokens[:, start:start + MAX_STEP]
             b, t = self._run(chunk, None, last_rows=1)
             if start + MAX_STEP >= T:
-                rows = 1 if self.spec.has_logits_rows else t
-                last = (self._read_logits(b, rows, rows - 1)[:, 0, :] if self.device_logits
-                        else self._outputs_for(t, rows)[0][1][:, -1, :]).copy()  # [B,vocab]; the buffer is reused
+                # The computed rows: the last real one alone (logits_rows), or every row of the step as run.
+                rows, row = (1, 0) if self.spec.has_logits_rows else (self._T_run, t - 1)
+                last = (self._read_logits(b, rows, row)[:, 0, :] if self.device_logits
+                        else self._outputs_for(self._T_run, rows)[0][1][:, row, :]).copy()  # [B,vocab] (reused buffer)
             self.kv.advance(chunk.shape[1])
         return last
+
+
+def _pad_step(T_run: int, tokens: np.ndarray, positions: np.ndarray, q: np.ndarray, features: np.ndarray | None,
+              bias: np.ndarray | None) -> tuple:
+    """A step [B,T] widened to T_run positions by repeating its last token (and feature row) at the next
+    positions. The padding rows are ordinary tokens to the kernels: their K/V land past the valid length (the
+    cache's slack), where nothing reads them before they are overwritten, and the real rows' attention never
+    sees them (causal order, or -inf in a tree's bias). Rows' outputs are independent, so the real rows compute
+    exactly what they would in any step of >= min_step_tokens positions."""
+    B, T = tokens.shape[:2]
+    pad = T_run - T
+    tokens = np.concatenate([tokens, np.repeat(tokens[:, -1:], pad, axis=1)], axis=1)  # [B,T_run(,hidden)]
+    positions = np.concatenate([positions, positions[:, -1:] + np.arange(1, pad + 1)[None, :]], axis=1)  # [B,T_run]
+    q = np.where(q == T, T_run, q)  # [B] idle (0) rows stay idle
+    if features is not None:
+        features = np.concatenate([features, np.repeat(features[:, -1:], pad, axis=1)], axis=1)  # [B,T_run,hidden]
+    if bias is not None:
+        total = bias.shape[-1]
+        padded = np.zeros(bias.shape[:2] + (T_run, total + pad), dtype=bias.dtype)  # [B,1,T_run,total+pad]
+        padded[:, :, :T, :total] = bias
+        padded[:, :, :T, total:] = np.finfo(bias.dtype).min
+        bias = padded
+    return tokens, positions, q, features, bias

@@ -147,8 +147,7 @@ class Engine:
     def _decoder(self, name: str, kv: KVCache | None = None) -> Decoder:
         g = self.manifest.graphs[name]
         if kv is None:
-            kv = KVCache(g.model.n_layers, 1, g.model.n_kv_heads, self.max_len, g.model.head_dim,
-                         device=self.runtime.device, device_id=self.runtime.device_id, dtype=g.kv_dtype)
+            kv = KVCache.for_graph(g, 1, self.max_len, device=self.runtime.device, device_id=self.runtime.device_id)
         return Decoder(self.path / g.file, g, g.model, kv, self.runtime)
 
     def _split_target(self) -> SplitTarget:
@@ -177,8 +176,7 @@ class Engine:
             raise SpecdecError(f"draft bundle {bundle} has a different vocabulary from {self.path}",
                                "a draft model must share the target's tokenizer")
         g = other.graphs["target"]
-        kv = KVCache(g.model.n_layers, 1, g.model.n_kv_heads, self.max_len, g.model.head_dim,
-                     device=self.runtime.device, device_id=self.runtime.device_id, dtype=g.kv_dtype)
+        kv = KVCache.for_graph(g, 1, self.max_len, device=self.runtime.device, device_id=self.runtime.device_id)
         self._drafters[name] = ModelDrafter(Decoder(Path(bundle) / g.file, g, g.model, kv, self.runtime))
 
     def _make_drafter(self, kind: str) -> Drafter | None:

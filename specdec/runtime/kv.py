@@ -14,11 +14,15 @@ from specdec.errors import SpecdecError
 
 class KVCache:
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 device: str = "cpu", device_id: int = 0, dtype=np.float32) -> None:
-        if max_len <= 0 or batch <= 0:
-            raise ValueError("max_len and batch must be > 0")
+                 device: str = "cpu", device_id: int = 0, dtype=np.float32, slack: int = 0) -> None:
+        """`slack` positions past max_len hold only padding (a graph with min_step_tokens > 1 pads short steps:
+        their K/V are written past the valid length like rejected drafts', and must have somewhere to go even
+        when the valid tokens fill max_len). check_room counts max_len only."""
+        if max_len <= 0 or batch <= 0 or slack < 0:
+            raise ValueError("max_len and batch must be > 0, slack >= 0")
         self.n_layers, self.batch, self.max_len = n_layers, batch, max_len
-        self.shape = (batch, n_kv_heads, max_len, head_dim)
+        self.capacity = max_len + slack  # positions in the buffers
+        self.shape = (batch, n_kv_heads, self.capacity, head_dim)
         self.dtype = np.dtype(dtype)
         self.device = device
         self.lengths = np.zeros(batch, dtype=np.int64)  # valid tokens per row
@@ -32,6 +36,14 @@ class KVCache:
             self.slab = None
             self.values = [[ort.OrtValue.ortvalue_from_shape_and_type(list(self.shape), dtype, device, device_id)
                             for _ in (0, 1)] for _ in range(n_layers)]
+
+    @classmethod
+    def for_graph(cls, spec, batch: int, max_len: int, device: str = "cpu", device_id: int = 0) -> "KVCache":
+        """A cache for the graph `spec` (a GraphSpec): its model's shape, its K/V dtype, and the slack its
+        min_step_tokens padding writes into."""
+        m = spec.model
+        return cls(m.n_layers, batch, m.n_kv_heads, max_len, m.head_dim, device=device, device_id=device_id,
+                   dtype=spec.kv_dtype, slack=spec.min_step_tokens - 1)
 
     @property
     def nbytes(self) -> int:

@@ -26,6 +26,8 @@ DRAFTER_KINDS = ("none", "ngram", "model", "layerskip", "eagle", "medusa")
 FEATURES = "features"  # an EAGLE head graph's input: the residual stream it drafts from
 ATTENTION_BIAS = "attention_bias"  # a tree-verifying graph's input: additive attention mask [B,1,T,P+T]
 LOGITS_ROWS = "logits_rows"  # target graphs: the step positions that get logits [R] (prefill: the last)
+# GraphSpec.min_step_tokens above this is no kernel's need; padding every step to it would only waste work.
+MAX_MIN_STEP_TOKENS = 8
 
 
 def _require(cond: bool, what: str) -> None:
@@ -95,6 +97,12 @@ class GraphSpec:
     # Float type of activations and K/V where the weights' precision does not say it (int8 heads in an fp16
     # bundle compute in fp16). None: fp16 for an fp16 graph, fp32 for the others.
     activations: str | None = None
+    # Every step of this graph runs at least this many positions per row; shorter steps are padded.
+    # GroupQueryAttention computes a 1-token step on its decoding path, which rounds ~1e-7 apart from its
+    # multi-token path; int8-activation kernels (MatMulNBits accuracy_level 4) amplify that to whole logits, while
+    # multi-token steps agree bit for bit. With 2 every step takes the multi-token path, so a T-token step
+    # computes exactly what T single steps do. `specdec quantize --fast-kernels` measures this (checks).
+    min_step_tokens: int = 1
 
     def __post_init__(self) -> None:
         _require(self.precision in PRECISIONS, f"graph precision must be one of {PRECISIONS}, got {self.precision!r}")
@@ -109,6 +117,9 @@ class GraphSpec:
                  f"graph {self.file}: activations must be fp32 or fp16, got {self.activations!r}")
         _require(0 <= self.first_layer < self.n_layers,
                  f"graph {self.file}: first_layer must be in 0..{self.n_layers - 1}, got {self.first_layer}")
+        _require(isinstance(self.min_step_tokens, int) and 1 <= self.min_step_tokens <= MAX_MIN_STEP_TOKENS,
+                 f"graph {self.file}: min_step_tokens must be an integer in 1..{MAX_MIN_STEP_TOKENS}, "
+                 f"got {self.min_step_tokens!r}")
 
     @property
     def has_logits(self) -> bool:
@@ -142,8 +153,10 @@ class GraphSpec:
     @property
     def t_invariant(self) -> bool:
         """Whether a T-token step computes what T single steps do, which lossless speculation relies on.
-        Only int8-activation kernels (MatMulNBits accuracy_level 4, `quantize --fast-kernels`) break it."""
-        return self.quant.get("accuracy_level") != 4
+        Only int8-activation kernels (MatMulNBits accuracy_level 4, `quantize --fast-kernels`) break it, between
+        1-token and wider steps (see min_step_tokens): a graph run with min_step_tokens 2 never takes the 1-token
+        path."""
+        return self.quant.get("accuracy_level") != 4 or self.min_step_tokens >= 2
 
     @property
     def kv_dtype(self) -> np.dtype:
