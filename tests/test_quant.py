@@ -260,6 +260,47 @@ def _matmul_model(W):
     return m
 
 
+def _q4_1(rng, K, N, bs=32):
+    """A [K, N] weight on a Q4_1 grid (4-bit codes, fp16 scale and block minimum)."""
+    d = rng.uniform(0.01, 0.05, size=(N, K // bs, 1)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-0.4, -0.2, size=(N, K // bs, 1)).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, size=(N, K // bs, bs))
+    q[..., 0], q[..., 1] = 0, 15  # Q4_1 blocks span their whole range
+    return np.ascontiguousarray((d * q + m).reshape(N, K).T).astype(np.float32)
+
+
+def test_weights_reading_one_input_share_a_kernel_and_its_block_sums():
+    """gate and up (one input): one MatMulNBits over both weights' columns, one block-sum chain, a Split; x, y
+    and z = y @ W3 come out as the float weights give them."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specdec.quant.weight_only import WeightQuantConfig, quantize_nbits
+
+    rng = np.random.default_rng(1)
+    K, N1, N2 = 64, 96, 128
+    W1, W2, W3 = _q4_1(rng, K, N1), _q4_1(rng, K, N2), _q4_1(rng, N1, K)
+    nodes = [helper.make_node("MatMul", ["A", "W1"], ["Y1"], name="gate"),
+             helper.make_node("MatMul", ["A", "W2"], ["Y2"], name="up"),
+             helper.make_node("MatMul", ["Y1", "W3"], ["Z"], name="down")]
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("Y1", "Y2", "Z")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, None, K])], outs,
+                          initializer=[numpy_helper.from_array(w, n) for w, n in ((W1, "W1"), (W2, "W2"), (W3, "W3"))])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    q = quantize_nbits(model, WeightQuantConfig(bits=4, method="minmax"))
+    ops = [n.op_type for n in q.graph.node]
+    assert ops.count("MatMulNBits") == 2 and ops.count("ReduceSum") == 2 and ops.count("Split") == 1
+    assert "('4bit_asym_exact', 3)" in q.metadata_props[-1].value  # every weight recorded
+    from specdec.runtime.session import pooled_session_options
+
+    x = rng.standard_normal((1, 3, K)).astype(np.float32)
+    session = ort.InferenceSession(q.SerializeToString(), pooled_session_options(), providers=["CPUExecutionProvider"])
+    y1, y2, z = session.run(None, {"A": x})
+    for got, want in ((y1, x @ W1), (y2, x @ W2), (z, (x @ W1) @ W3)):
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
 @pytest.mark.parametrize("grid", ["q4_1", "q8_0", "none"])
 def test_minmax_reencodes_gguf_grids_exactly_and_rounds_the_rest(grid):
     """Weights that lie on a Q4_1 (4-bit, offset) or Q8_0 (8-bit symmetric) block grid come back exactly;

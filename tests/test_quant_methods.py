@@ -30,8 +30,15 @@ def methods(tiny_bundle, tmp_path_factory):
 
 
 def _nbits(bundle) -> list[int]:
+    """Bits of each quantized weight (siblings such as gate and up share one MatMulNBits node; the quantizer
+    records every weight's choice, e.g. [('4bit_sym_rtn', 9), ('8bit_sym_rtn', 3)])."""
+    import ast
+
     m = onnx.load(str(bundle / "target.onnx"), load_external_data=False)
-    return [next(a.i for a in n.attribute if a.name == "bits") for n in m.graph.node if n.op_type == "MatMulNBits"]
+    record = next((p.value for p in m.metadata_props if p.key == "specdec.nbits_choices"), None)
+    if record is None:  # onnxruntime's quantizer (rtn, hqq): one node per weight
+        return [next(a.i for a in n.attribute if a.name == "bits") for n in m.graph.node if n.op_type == "MatMulNBits"]
+    return [int(key.split("bit")[0]) for key, n in ast.literal_eval(record) for _ in range(n)]
 
 
 @pytest.mark.parametrize("method", ["rtn", "hqq", "gptq", "rtn+8bit", "gptq+act-order"])
@@ -337,7 +344,15 @@ def test_sensitive_weights_can_take_smaller_4bit_blocks_instead_of_8_bits(tiny_b
     out = quantize_bundle(tiny_bundle, tmp_path / "q", "int4", method=method, block_size=64, sensitive=0.5,
                           sensitive_block=32, calibration=calib)
     q = onnx.load(str(out / "target.onnx"), load_external_data=False)
-    blocks = [next(a.i for a in n.attribute if a.name == "block_size") for n in q.graph.node if n.op_type == "MatMulNBits"]
+    record = next((p.value for p in q.metadata_props if p.key == "specdec.nbits_choices"), None)
+    if record is None:  # onnxruntime's quantizer: one node per weight
+        blocks = [next(a.i for a in n.attribute if a.name == "block_size") for n in q.graph.node
+                  if n.op_type == "MatMulNBits"]
+    else:  # specdec's: a weight quantized in other blocks than the configured 64 says so, e.g. 4bit_sym_rtn_b32
+        import ast
+
+        blocks = [int(key.rsplit("_b", 1)[1]) if "_b" in key else 64 for key, n in ast.literal_eval(record)
+                  for _ in range(n)]
     assert len(blocks) == n_weights and _nbits(out) == [4] * n_weights
     assert blocks.count(32) == round(n_weights / 2) and blocks.count(64) == n_weights - round(n_weights / 2)
     e = specdec.load(out, drafter="ngram")

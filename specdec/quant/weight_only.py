@@ -423,12 +423,13 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _emit_nbits(x: str, y: str, base: str, grid: tuple, bits: int, block_size: int, K: int,
-                accuracy_level: int) -> tuple[list, list]:
+                accuracy_level: int, sums: dict | None = None) -> tuple[list, list]:
     """Nodes and initializers computing y = x @ W for W given as _grid's (q [N,nb,bs], scale [N,nb], offset
     [N,nb] or None): MatMulNBits on the integer codes, plus, for a float block offset m, m * (x's block sums)
     through one small MatMul. MatMulNBits's zero points are integers; float ones (HQQ's) fall to a slow
     dequantizing kernel on CPUs, so they come here as offsets too. A K that is not a multiple of the block is
-    zero-padded before the block sums."""
+    zero-padded before the block sums. `sums` {(x, block size): block sums tensor} shares one x's block sums
+    among the weights that read it (each small op costs ~5 us of dispatch, which is what offsets cost)."""
     from onnx import numpy_helper
 
     q, scale, offset = grid
@@ -446,18 +447,21 @@ def _emit_nbits(x: str, y: str, base: str, grid: tuple, bits: int, block_size: i
                 K=K, N=N, bits=bits, block_size=bs, accuracy_level=accuracy_level)]
     if offset is None:
         return nodes, inits
-    padded = x
-    if K % bs:
-        inits.append(numpy_helper.from_array(np.array([0, 0, 0, 0, 0, nb * bs - K], dtype=np.int64), f"{base}.pad"))
-        nodes.append(mk("Pad", [x, f"{base}.pad"], [f"{base}.x_padded"], name=f"{base}.pad"))  # [B,T,nb*bs]
-        padded = f"{base}.x_padded"
-    inits += [numpy_helper.from_array(np.array([0, 0, nb, bs], dtype=np.int64), f"{base}.block_shape"),
-              numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{base}.last_axis"),
-              numpy_helper.from_array(np.ascontiguousarray(offset.T).astype(np.float32), f"{base}.offsets")]
-    nodes += [mk("Reshape", [padded, f"{base}.block_shape"], [f"{base}.x_blocks"], name=f"{base}.blocks"),  # [B,T,nb,bs]
-              mk("ReduceSum", [f"{base}.x_blocks", f"{base}.last_axis"], [f"{base}.x_sums"], name=f"{base}.sums",
-                 keepdims=0),  # [B,T,nb]
-              mk("MatMul", [f"{base}.x_sums", f"{base}.offsets"], [f"{base}.off_out"], name=f"{base}.offset"),  # [B,T,N]
+    sums = {} if sums is None else sums
+    if (x, bs) not in sums:
+        padded = x
+        if K % bs:
+            inits.append(numpy_helper.from_array(np.array([0, 0, 0, 0, 0, nb * bs - K], dtype=np.int64), f"{base}.pad"))
+            nodes.append(mk("Pad", [x, f"{base}.pad"], [f"{base}.x_padded"], name=f"{base}.pad"))  # [B,T,nb*bs]
+            padded = f"{base}.x_padded"
+        inits += [numpy_helper.from_array(np.array([0, 0, nb, bs], dtype=np.int64), f"{base}.block_shape"),
+                  numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{base}.last_axis")]
+        nodes += [mk("Reshape", [padded, f"{base}.block_shape"], [f"{base}.x_blocks"], name=f"{base}.blocks"),  # [B,T,nb,bs]
+                  mk("ReduceSum", [f"{base}.x_blocks", f"{base}.last_axis"], [f"{base}.x_sums"], name=f"{base}.sums",
+                     keepdims=0)]  # [B,T,nb]
+        sums[(x, bs)] = f"{base}.x_sums"
+    inits.append(numpy_helper.from_array(np.ascontiguousarray(offset.T).astype(np.float32), f"{base}.offsets"))
+    nodes += [mk("MatMul", [sums[(x, bs)], f"{base}.offsets"], [f"{base}.off_out"], name=f"{base}.offset"),  # [B,T,N]
               mk("Add", [f"{base}.q_out", f"{base}.off_out"], [y], name=f"{base}.add_offset")]
     return nodes, inits
 
@@ -470,6 +474,7 @@ def float_zero_points_as_offsets(model: onnx.ModelProto) -> onnx.ModelProto:
     inits = {t.name: t for t in model.graph.initializer}
     new_nodes, drop = [], set()
     new_inits = []
+    sums: dict = {}
     for node in model.graph.node:
         zp = inits.get(node.input[3]) if node.op_type == "MatMulNBits" and len(node.input) > 3 else None
         if zp is None or zp.data_type != onnx.TensorProto.FLOAT:
@@ -483,7 +488,7 @@ def float_zero_points_as_offsets(model: onnx.ModelProto) -> onnx.ModelProto:
         scale = numpy_helper.to_array(inits[node.input[2]]).reshape(N, nb)
         offset = -scale * numpy_helper.to_array(zp).reshape(N, nb)
         nodes, inits_ = _emit_nbits(node.input[0], node.output[0], node.name, (q, scale, offset), bits=bits,
-                                    block_size=bs, K=K, accuracy_level=a.get("accuracy_level", 0))
+                                    block_size=bs, K=K, accuracy_level=a.get("accuracy_level", 0), sums=sums)
         new_nodes += nodes
         new_inits += inits_
         drop.update(node.input[1:4])
@@ -510,15 +515,12 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, finer: set[st
 
     inits = {t.name: t for t in model.graph.initializer}
     candidates = quantizable_weights(model, cfg)
-    new_nodes, new_inits, drop = [], [], set()
-    choices: dict[str, int] = {}
-    for node in model.graph.node:
-        w_name = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
-        if w_name not in candidates:
-            new_nodes.append(node)
-            continue
+
+    def choose(node) -> tuple[tuple, int, int, str]:
+        """(grid, bits, block size, choice key) of one weight."""
+        w_name = node.input[1]
         W = numpy_helper.to_array(inits[w_name]).astype(np.float32)  # [K, N]
-        K, N = W.shape
+        K = W.shape[0]
         bs = cfg.block_size
         padded = K % bs != 0  # the offsets' block sums need whole blocks: symmetric grids only
         blocks = _blocks(_pad(W, bs), bs)  # [N, nb, bs]
@@ -541,12 +543,51 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, finer: set[st
             else:
                 (q, scale, offset, _), how = _grid(blocks, bits, symmetric), "rtn"
         key = f"{bits}bit_{'sym' if symmetric else 'asym'}_{how}" + (f"_b{bs}" if bs != cfg.block_size else "")
-        choices[key] = choices.get(key, 0) + 1
-        drop.add(w_name)
-        nodes, inits_ = _emit_nbits(node.input[0], node.output[0], node.name or w_name, (q, scale, offset),
-                                    bits=bits, block_size=bs, K=K, accuracy_level=cfg.accuracy_level)
-        new_nodes += nodes
-        new_inits += inits_
+        return (q, scale, offset), bits, bs, key
+
+    # Weights reading the same activations (a layer's gate and up) become one MatMulNBits over their concatenated
+    # columns and one offsets MatMul, then a Split: per step, fewer small ops to dispatch.
+    siblings: dict[str, list] = {}
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in candidates:
+            siblings.setdefault(node.input[0], []).append(node)
+    new_nodes, new_inits, drop = [], [], set()
+    choices: dict[str, int] = {}
+    sums: dict = {}
+    for node in model.graph.node:
+        w_name = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if w_name not in candidates:
+            new_nodes.append(node)
+            continue
+        if w_name in drop:  # emitted with its first sibling
+            continue
+        group = siblings[node.input[0]]
+        chosen = [choose(n) for n in group]
+        for n, (_, _, _, key) in zip(group, chosen):
+            choices[key] = choices.get(key, 0) + 1
+            drop.add(n.input[1])
+        K = inits[w_name].dims[0]
+        mergeable = len(group) > 1 and len({(bits, bs, grid[2] is None, inits[n.input[1]].dims[0])
+                                             for n, (grid, bits, bs, _) in zip(group, chosen)}) == 1
+        if mergeable:
+            (_, bits, bs, _), widths = chosen[0], [grid[0].shape[0] for grid, *_ in chosen]
+            grid = tuple(None if parts[0] is None else np.concatenate(parts, axis=0)
+                         for parts in zip(*(g for g, *_ in chosen)))  # columns of every sibling, in order
+            base = "+".join(n.name or n.input[1] for n in group)
+            nodes, inits_ = _emit_nbits(node.input[0], f"{base}.out", base, grid, bits=bits, block_size=bs, K=K,
+                                        accuracy_level=cfg.accuracy_level, sums=sums)
+            inits_.append(numpy_helper.from_array(np.array(widths, dtype=np.int64), f"{base}.widths"))
+            nodes.append(onnx.helper.make_node("Split", [f"{base}.out", f"{base}.widths"],
+                                               [n.output[0] for n in group], name=f"{base}.split", axis=-1))
+            new_nodes += nodes
+            new_inits += inits_
+            continue
+        for n, (grid, bits, bs, _) in zip(group, chosen):
+            nodes, inits_ = _emit_nbits(n.input[0], n.output[0], n.name or n.input[1], grid, bits=bits,
+                                        block_size=bs, K=inits[n.input[1]].dims[0],
+                                        accuracy_level=cfg.accuracy_level, sums=sums)
+            new_nodes += nodes
+            new_inits += inits_
     kept = [t for t in model.graph.initializer if t.name not in drop]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept + new_inits)
