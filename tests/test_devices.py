@@ -497,15 +497,20 @@ def test_greedy_choices_come_from_the_graph_argmax(tiny_bundle, device_logits):
 @pytest.mark.parametrize("device_logits", [False, True])
 def test_prefill_computes_only_the_last_rows_logits(tiny_bundle, device_logits):
     """A target graph with `logits_rows` gives prefill's last logits from that row alone (the LM head runs on one
-    row per chunk); they match the full step's last row, and the draft graph (without the input) agrees."""
-    target = _decoder(tiny_bundle, "target", device_logits=device_logits)
-    full = _decoder(tiny_bundle, "target")
-    assert target.spec.has_logits_rows and not _decoder(tiny_bundle, "draft").spec.has_logits_rows
-    prompt = np.random.default_rng(2).integers(3, target.model.vocab_size, size=(1, MAX_STEP + 9))  # two chunks
+    row per chunk, so its chunks are PREFILL_CHUNK wide); they match the last row of steps that compute every row
+    (MAX_STEP wide), and the draft graph (without the input) keeps MAX_STEP chunks."""
+    from specdec.runtime.decoder import PREFILL_CHUNK
+
+    n = PREFILL_CHUNK + 9  # two chunks
+    target = _decoder(tiny_bundle, "target", device_logits=device_logits, max_len=n)
+    full = _decoder(tiny_bundle, "target", max_len=n)
+    assert target.spec.has_logits_rows and target.max_step == PREFILL_CHUNK
+    assert _decoder(tiny_bundle, "draft").max_step == MAX_STEP
+    prompt = np.random.default_rng(2).integers(3, target.model.vocab_size, size=(1, n))
     last = target.prefill(prompt)  # [1, vocab]
-    full.forward(prompt[:, :MAX_STEP])
-    full.kv.advance(MAX_STEP)
-    reference = full.forward(prompt[:, MAX_STEP:])[:, -1, :]  # [1, vocab] every row computed
+    for start in range(0, n, MAX_STEP):
+        reference = full.forward(prompt[:, start:start + MAX_STEP])[:, -1, :].copy()  # [1, vocab] all rows computed
+        full.kv.advance(min(MAX_STEP, n - start))
     np.testing.assert_allclose(last, reference, rtol=0, atol=1e-5)
     assert np.argmax(last) == np.argmax(reference)
     assert target.kv.lengths[0] == prompt.shape[1]

@@ -26,6 +26,10 @@ from specdec.runtime.trt_engines import claim_engine_cache
 # this many tokens, which bounds the logits buffer (64 x 49k vocab x 4 B = 12.6 MB) while keeping the
 # matmuls wide enough to be compute-bound.
 MAX_STEP = 64
+# Prefill chunk of a graph that computes logits for each chunk's last row only (logits_rows): wider matmuls run
+# nearer the CPU's peak (768 prompt tokens: 1,147 ms in chunks of 64, 1,043 in 128, 1,014 in 256; fp32, 2 cores),
+# and no logits buffer grows with the chunk (K/V and taps: a few MB).
+PREFILL_CHUNK = 256
 _FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
@@ -93,14 +97,16 @@ class Decoder:
         # The argmax output is bound to host memory even when the logits stay on the device: a greedy step then
         # brings back T ids, not T x vocab floats.
         self._argmax = np.empty(B * MAX_STEP if spec.has_argmax else 0, dtype=np.int64)
-        self._hidden = {t: np.empty(B * MAX_STEP * model.hidden_size,
+        # Widest step: a verification's (logits for every row) or a prefill chunk's (logits for its last row).
+        self.max_step = PREFILL_CHUNK if spec.has_logits_rows else MAX_STEP
+        self._hidden = {t: np.empty(B * self.max_step * model.hidden_size,
                                     dtype=_FLOAT_TYPES.get(out_types.get(f"hidden.{t}", ""), np.float32))
                         for t in spec.hidden_layers}
         self._out_views: dict[tuple[int, int], list[tuple[str, np.ndarray, ort.OrtValue]]] = {}
         self._features_dtype = np.dtype(_FLOAT_TYPES.get(types.get(FEATURES, ""), np.float32))
         self._tap_store: dict[int, np.ndarray] = {}  # tap -> [max_len, hidden], see keep_tap
         self.bias_dtype = np.dtype(_FLOAT_TYPES.get(types.get(ATTENTION_BIAS, ""), np.float32))
-        self._zero_bias = np.zeros(kv.batch * MAX_STEP * kv.capacity if spec.has_tree_bias else 0, self.bias_dtype)
+        self._zero_bias = np.zeros(kv.batch * self.max_step * kv.capacity if spec.has_tree_bias else 0, self.bias_dtype)
         if kv.capacity - kv.max_len < spec.min_step_tokens - 1:
             raise ValueError(f"graph {path.name} pads steps to {spec.min_step_tokens} rows: its KV cache needs "
                              f"slack={spec.min_step_tokens - 1}")
@@ -181,8 +187,9 @@ class Decoder:
         others compute all T and the caller reads the rows it wants). Returns (B, T) of the real step; a step
         padded to spec.min_step_tokens ran at self._T_run >= T positions, its real ones first."""
         B, T = tokens.shape[:2]
-        if T > MAX_STEP:
-            raise ValueError(f"step of {T} tokens exceeds MAX_STEP={MAX_STEP}; prefill in chunks")
+        if T > self.max_step or (last_rows or T) > MAX_STEP:
+            raise ValueError(f"step of {T} tokens with logits for {last_rows or T} exceeds this graph's widest step "
+                             f"({self.max_step} tokens, logits for {MAX_STEP}); prefill in chunks")
         q = np.full(B, T, dtype=np.int64) if query_lens is None else np.asarray(query_lens, dtype=np.int64)  # [B]
         for row in range(B):
             if q[row] > 0:
@@ -251,15 +258,15 @@ class Decoder:
         return self._hidden[tap][: B * T_run * self.model.hidden_size].reshape(B, T_run, self.model.hidden_size)[:, :T]
 
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
-        """Run a prompt [B,T] in MAX_STEP chunks, keep all of it, return the last position's logits [B,vocab].
+        """Run a prompt [B,T] in max_step chunks, keep all of it, return the last position's logits [B,vocab].
         Only the last chunk's last row is read; a graph with `logits_rows` computes no other row's logits."""
         B, T = tokens.shape[:2]
         self.kv.check_room(T)
         last = None
-        for start in range(0, T, MAX_STEP):
-            chunk = tokens[:, start:start + MAX_STEP]
+        for start in range(0, T, self.max_step):
+            chunk = tokens[:, start:start + self.max_step]
             b, t = self._run(chunk, None, last_rows=1)
-            if start + MAX_STEP >= T:
+            if start + self.max_step >= T:
                 # The computed rows: the last real one alone (logits_rows), or every row of the step as run.
                 rows, row = (1, 0) if self.spec.has_logits_rows else (self._T_run, t - 1)
                 last = (self._read_logits(b, rows, row)[:, 0, :] if self.device_logits
