@@ -819,13 +819,23 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _plain_of(name: str) -> str | None:
+    """The plain-decoding peer a speculative peer is checked and timed against: X for X-lookup, specdec[-V]:none
+    for specdec[-V]:D[:K] (the same bundle without drafting)."""
+    if name.endswith("-lookup"):
+        return name[: -len("-lookup")]
+    if name.startswith("specdec") and ":" in name and name.split(":")[1] != "none":
+        return name.split(":")[0] + ":none"
+    return None
+
+
 def _compare(result: dict, token_ids: dict, reference: str) -> None:
-    """Greedy outputs vs the reference peer, and each -lookup peer vs its plain peer."""
+    """Greedy outputs vs the reference peer, and each speculative peer vs its plain peer (_plain_of)."""
     peers = result["peers"]
     ref = reference if reference in token_ids else None
     for name, ids in token_ids.items():
         entry = peers[name]
-        base = name[: -len("-lookup")] if name.endswith("-lookup") else None
+        base = _plain_of(name)
         pairs = []
         if ref and name != ref:
             pairs.append(("vs_" + ref, token_ids[ref]))
@@ -891,7 +901,7 @@ def format_table(result: dict) -> str:
     for name, e in peers.items():
         o = e.get("overall") or {}
         ag = ", ".join(f"{k[3:]} {v['identical']}" for k, v in (e.get("agreement") or {}).items())
-        sp = e.get("speedup_vs_" + name[: -len("-lookup")]) if name.endswith("-lookup") else None
+        sp = e.get("speedup_vs_" + _plain_of(name)) if _plain_of(name) else None
         if sp:
             ag = (ag + "; " if ag else "") + f"x{sp} vs plain"
         lines.append(f"{name:<18} {e['status']:<8} {f(o.get('tok_s'), '6.1f')} {f(o.get('decode_tok_s'), '6.1f')} "
