@@ -94,9 +94,12 @@ def main() -> None:
               help="eagle / medusa: weights of the heads' graph (int8: smaller and faster drafts; output unchanged).")
 @click.option("--corpus/--no-corpus", default=True, show_default=True,
               help="Copy the corpus of the target's own answers that specdec ships for it, if any (drafter 'corpus').")
+@click.option("--fast-kernels", is_flag=True,
+              help="int8/int4: int8-activation kernels, the fastest CPU bundle; every step runs >= 2 tokens so "
+                   "speculation stays token-identical (see `specdec quantize --help`).")
 @friendly
 def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_layer, exit_adapter, calib_prompts, heads,
-           heads_precision, corpus):
+           heads_precision, corpus, fast_kernels):
     """Export MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct) into a bundle."""
     from specdec.export.bundle import ExportConfig, export_bundle
     from specdec.export.layerskip import LayerSkipConfig
@@ -106,7 +109,8 @@ def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_l
     layerskip = LayerSkipConfig(exit_layer=None if exit_layer == "auto" else int(exit_layer), adapter=exit_adapter,
                                 prompts=calib_prompts)
     cfg = ExportConfig(drafter=drafter, precision=precision, max_len=max_len, draft_len=draft_len, force=force,
-                       layerskip=layerskip, heads=heads, heads_precision=heads_precision, corpus=corpus)
+                       layerskip=layerskip, heads=heads, heads_precision=heads_precision, corpus=corpus,
+                       fast_kernels=fast_kernels)
     t0 = time.perf_counter()
     with _stage_progress() as step:
         manifest = export_bundle(model, out_dir, cfg, step=step)

@@ -20,8 +20,8 @@ from specdec.errors import SpecdecError
 from specdec.export.graph import (CONTROL_INPUTS, DecoderWeights, build_decoder_graph, kv_input_names,
                                   kv_output_names, model_config_from_hf, save_graph, weights_from_torch)
 from specdec.export.layerskip import LayerSkipConfig
-from specdec.export.verify import check_logits
-from specdec.quant.weight_only import SELF_DRAFT_PRESETS, TARGET_PRESETS, quantize_weights
+from specdec.export.verify import check_logits, measure_min_step_tokens
+from specdec.quant.weight_only import FAST_TARGET_PRESETS, SELF_DRAFT_PRESETS, TARGET_PRESETS, quantize_weights
 from specdec.runtime.manifest import (ATTENTION_BIAS, LOGITS_ROWS, MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
                                       read_manifest, sha256_file)
 from specdec.runtime.tokenizer import vocab_digest
@@ -54,10 +54,19 @@ class ExportConfig:
     # Copy the corpus of the target's own answers shipped for this target (default model), if any: the runtime's
     # "corpus" drafter (the default for drafter ngram) drafts from it where prompt lookup finds nothing.
     corpus: bool = True
+    # int8/int4 target with int8-activation kernels (FAST_TARGET_PRESETS): the fastest CPU graph; measured at export,
+    # it runs every step with >= 2 tokens so that speculation stays token-identical (GraphSpec.min_step_tokens).
+    fast_kernels: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in EXPORT_PRECISIONS:
             raise SpecdecError(f"unknown precision {self.precision!r}", f"choose one of {', '.join(EXPORT_PRECISIONS)}")
+        if self.fast_kernels and self.precision not in FAST_TARGET_PRESETS:
+            raise SpecdecError(f"--fast-kernels applies to --precision {' or '.join(FAST_TARGET_PRESETS)}, not "
+                               f"{self.precision}")
+        if self.fast_kernels and self.drafter == "layerskip":
+            raise SpecdecError("--fast-kernels is not built into a layerskip export",
+                               "export with --drafter layerskip, then `specdec quantize DIR --to int4 --fast-kernels`")
         if self.heads_precision not in ("fp32", "int8"):
             raise SpecdecError(f"unknown heads precision {self.heads_precision!r}", "choose fp32 or int8")
         if self.heads is not None and self.drafter not in ("eagle", "medusa"):
@@ -104,13 +113,16 @@ def _graph_spec(file: str, cfg: ModelConfig, precision: str, n_layers: int, hidd
                      hidden_layers=hidden, quant=quant or {})
 
 
-def target_graph(model_cfg: ModelConfig, weights: DecoderWeights, precision: str, **build) -> onnx.ModelProto:
+def target_graph(model_cfg: ModelConfig, weights: DecoderWeights, precision: str, fast_kernels: bool = False,
+                 **build) -> onnx.ModelProto:
     """The target's graph, or a slice of it (`build`: n_layers / first_layer / logits of a LayerSkip split), at
-    `precision`. Slices are built and quantized exactly as the whole target is, so their weights equal the
-    target's byte for byte and save_graph_sharing points them into its weight file instead of copying them."""
+    `precision` (int8/int4 with `fast_kernels`: FAST_TARGET_PRESETS). Slices are built and quantized exactly as the
+    whole target is, so their weights equal the target's byte for byte and save_graph_sharing points them into its
+    weight file instead of copying them."""
     if precision in ("fp32", "fp16"):
         return build_decoder_graph(model_cfg, weights, dtype=np.float16 if precision == "fp16" else np.float32, **build)
-    return quantize_weights(build_decoder_graph(model_cfg, weights, **build), TARGET_PRESETS[precision])
+    preset = (FAST_TARGET_PRESETS if fast_kernels else TARGET_PRESETS)[precision]
+    return quantize_weights(build_decoder_graph(model_cfg, weights, **build), preset)
 
 
 def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: ExportConfig,
@@ -163,9 +175,10 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         graphs: dict[str, GraphSpec] = {}
 
         step(f"writing target graph ({cfg.precision})")
-        save_graph(target_graph(model_cfg, weights, cfg.precision, hidden_layers=taps, tree=tree, argmax=True,
-                                logits_rows=True), partial / "target.onnx")
-        quant = TARGET_PRESETS[cfg.precision].to_dict() if cfg.precision in TARGET_PRESETS else None
+        save_graph(target_graph(model_cfg, weights, cfg.precision, fast_kernels=cfg.fast_kernels, hidden_layers=taps,
+                                tree=tree, argmax=True, logits_rows=True), partial / "target.onnx")
+        presets = FAST_TARGET_PRESETS if cfg.fast_kernels else TARGET_PRESETS
+        quant = presets[cfg.precision].to_dict() if cfg.precision in presets else None
         graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, hidden=taps, tree=tree, quant=quant,
                                        target=True)
         step("checking target graph against transformers")
@@ -177,6 +190,11 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             raise SpecdecError(f"exported {cfg.precision} graph disagrees with transformers: max |logit diff| "
                                f"{check.max_abs_diff:.2e} > {check.tolerance(cfg.precision):.1e}", hint)
         graphs["target"] = replace(graphs["target"], checks=check.to_checks(cfg.precision))
+        if cfg.fast_kernels:
+            step("measuring the fast kernels' step-width invariance")
+            min_step, step_checks = measure_min_step_tokens(partial / "target.onnx", graphs["target"])
+            graphs["target"] = replace(graphs["target"], min_step_tokens=min_step,
+                                       checks={**graphs["target"].checks, **step_checks})
 
         step("writing tokenizer")
         tok = source.tokenizer

@@ -1,11 +1,12 @@
 """Check an exported graph against the transformers model it came from (or a converted graph against its source)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from specdec.quant.report import t_invariance
 from specdec.runtime.decoder import Decoder
 from specdec.runtime.kv import KVCache
 from specdec.runtime.manifest import GraphSpec
@@ -98,3 +99,26 @@ def check_against_graph(ref_path: Path, ref_spec: GraphSpec, graph_path: Path, s
     """A converted graph's logits against the fp32 graph it was converted from (`specdec quantize --to fp16`)."""
     ids = np.random.default_rng(seed).integers(0, spec.model.vocab_size, size=(1, n_tokens))
     return _compare("fp32_graph", _graph_logits(graph_path, spec, ids), _graph_logits(ref_path, ref_spec, ids))
+
+
+# int8-activation kernels round each activation block to 8 bits, so a float difference upstream, however small,
+# can move a rounding step and grow layer by layer: GroupQueryAttention's 1-token (decoding) path differs from its
+# multi-token path by ~1e-7, which reaches ~2-5 in the logits of the 30-layer default model (fp32 graphs: ~3e-5).
+# Multi-token steps agree bit for bit whatever their width, so such a graph runs every step with >= 2 tokens.
+STEP_CHECK_TOKENS = 24  # a prompt of 19 random tokens, then 5 verified as one step and as 5 single steps
+
+
+def measure_min_step_tokens(graph: Path, spec: GraphSpec, seed: int = 0) -> tuple[int, dict]:
+    """The step width (1 or 2) from which `graph`'s multi-token steps compute exactly what narrower steps do,
+    and the differences measured (for GraphSpec.checks). 1 when neither holds: not T-invariant (the runtime
+    says so when drafting on it)."""
+    ids = np.random.default_rng(seed).integers(0, spec.model.vocab_size, size=STEP_CHECK_TOKENS).tolist()
+    diffs = {}
+    for width in (1, 2):
+        s = replace(spec, min_step_tokens=width)
+        dec = Decoder(graph, s, s.model, KVCache.for_graph(s, 1, len(ids)), RuntimeOptions())
+        diffs[width] = t_invariance(dec, ids)
+    checks = {"max_logit_diff_T_step_vs_1_token_steps": diffs[1],
+              "max_logit_diff_T_step_vs_2_token_steps": diffs[2]}
+    min_step_tokens = 1 if diffs[1] == 0.0 else 2 if diffs[2] == 0.0 else 1
+    return min_step_tokens, checks

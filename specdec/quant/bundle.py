@@ -6,47 +6,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import onnx
 
 from specdec.errors import SpecdecError
 from specdec.export.bundle import SPLIT_TOLERANCE, bundle_files, staged_folder
 from specdec.export.graph import save_graph, save_graph_sharing
-from specdec.export.verify import check_against_graph
+from specdec.export.verify import check_against_graph, measure_min_step_tokens
 from specdec.quant.calibration import CalibrationConfig, calibration_sequences
-from specdec.quant.report import t_invariance
 from specdec.quant.weight_only import (FAST_TARGET_PRESETS, TARGET_PRESETS, gather_from_codes, head_codes,
                                         quantize_weights)
-from specdec.runtime.decoder import Decoder
-from specdec.runtime.kv import KVCache
-from specdec.runtime.manifest import MANIFEST_NAME, SPLIT_GRAPHS, GraphSpec, read_manifest
-from specdec.runtime.session import RuntimeOptions
+from specdec.runtime.manifest import MANIFEST_NAME, SPLIT_GRAPHS, read_manifest
 
 
 QUANTIZE_PRECISIONS = ("fp16", *TARGET_PRESETS)
-# int8-activation kernels round each activation block to 8 bits, so a float difference upstream, however small,
-# can move a rounding step and grow layer by layer: GroupQueryAttention's 1-token (decoding) path differs from its
-# multi-token path by ~1e-7, which reaches ~2-5 in the logits of the 30-layer default model (fp32 graphs: ~3e-5).
-# Multi-token steps agree bit for bit whatever their width, so such a graph runs every step with >= 2 tokens.
-STEP_CHECK_TOKENS = 24  # a prompt of 19 random tokens, then 5 verified as one step and as 5 single steps
-
-
-def measure_min_step_tokens(graph: Path, spec: GraphSpec, seed: int = 0) -> tuple[int, dict]:
-    """The step width (1 or 2) from which `graph`'s multi-token steps compute exactly what narrower steps do,
-    and the differences measured (for GraphSpec.checks). 1 when neither holds: not T-invariant (the runtime
-    says so when drafting on it)."""
-    ids = np.random.default_rng(seed).integers(0, spec.model.vocab_size, size=STEP_CHECK_TOKENS).tolist()
-    diffs = {}
-    for width in (1, 2):
-        s = replace(spec, min_step_tokens=width)
-        dec = Decoder(graph, s, s.model, KVCache.for_graph(s, 1, len(ids)), RuntimeOptions())
-        diffs[width] = t_invariance(dec, ids)
-    checks = {"max_logit_diff_T_step_vs_1_token_steps": diffs[1],
-              "max_logit_diff_T_step_vs_2_token_steps": diffs[2]}
-    min_step_tokens = 1 if diffs[1] == 0.0 else 2 if diffs[2] == 0.0 else 1
-    return min_step_tokens, checks
-
-
 def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every float tensor of an fp32 specdec graph as fp16: weights, activations, KV buffers, logits.
 
@@ -87,7 +59,7 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
                     sensitive_block: int | None = None, act_order: bool = False,
                     calibration: CalibrationConfig = CalibrationConfig(),
                     step: Callable[[str], object] | None = None) -> Path:
-    """`fast_kernels`: int8-activation kernels (FAST_TARGET_PRESETS), faster but not lossless under speculation.
+    """`fast_kernels`: int8-activation kernels (FAST_TARGET_PRESETS), faster; lossless with min_step_tokens 2 (measured).
     `block_size`, `method`, `sensitive` and `act_order` override the preset's (int8/int4 only; see
     WeightQuantConfig).
     GPTQ and sensitive calibrate on the source bundle's own answers to specdec's prompts (`calibration`).
