@@ -783,3 +783,16 @@ def test_cli_provider_tensorrt_keeps_engines_in_the_bundle(tiny_bundle):
     runtime, _, _ = _device_setup(None, tiny_bundle, "tensorrt", None, 0)
     assert runtime.trt_cache_dir == str(Path(tiny_bundle) / "trt_cache")
     assert _device_setup(None, tiny_bundle, "cuda", None, 0)[0].trt_cache_dir is None
+
+
+def test_engine_building_runs_the_narrowest_and_widest_steps_and_keeps_nothing(tiny_bundle):
+    """TensorRT engines are built for the shapes onnxruntime sees: build-engines runs a 1-token step and a whole
+    prefill chunk (256 wide for a graph computing one logits row per chunk, 64 otherwise) on each graph."""
+    from specdec.devices.setup import run_every_step_width
+    from specdec.runtime.decoder import PREFILL_CHUNK
+
+    target, draft = _decoder(tiny_bundle, "target"), _decoder(tiny_bundle, "draft")
+    target.prefill(np.array([[5, 6, 7]]))
+    assert run_every_step_width(target) == (1, min(PREFILL_CHUNK, 256 - 3))
+    assert run_every_step_width(draft) == (1, MAX_STEP)
+    assert target.kv.lengths[0] == 3 and draft.kv.lengths[0] == 0

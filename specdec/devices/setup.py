@@ -126,10 +126,7 @@ def build_engines(bundle: str | Path, device: str | None = None, max_len: int | 
     length are used (default: the one `specdec devices` suggests). `rebuild` deletes the cache first, for
     a cache another GPU or TensorRT version built. Returns the cache's record.
     """
-    import numpy as np
-
     import specdec
-    from specdec.runtime.decoder import MAX_STEP
 
     bundle = Path(bundle)
     if available is None:
@@ -156,13 +153,25 @@ def build_engines(bundle: str | Path, device: str | None = None, max_len: int | 
     engine = specdec.load(bundle, max_len=setup.max_len, runtime=setup.runtime,
                           drafter="model" if manifest.drafter.graph else "none")
     # onnxruntime builds engines for the input shapes it sees and rebuilds when a shape leaves the range
-    # built for: run the narrowest and the widest step once (a decode step, a prefill chunk), so the engines
-    # cover every width the runtime uses. The K/V written are past the valid length: nothing is kept.
+    # built for: run the narrowest and the widest step once, so the engines cover every width the runtime uses.
     decoders = [engine.target] + ([engine.drafter.decoder] if engine.drafter is not None else [])
     for dec in decoders:
-        for width in (1, min(MAX_STEP, dec.kv.max_len)):
-            dec.forward(np.zeros((1, width), dtype=np.int64))
+        run_every_step_width(dec)
     record = read_engine_record(bundle / TRT_CACHE)  # written by the Decoders as they claimed the cache
     if record is None:
         raise SpecdecError(f"no engine record was written in {bundle / TRT_CACHE}", "please report this")
     return record
+
+
+def run_every_step_width(dec) -> tuple[int, int]:
+    """Run a Decoder's narrowest step (one token) and its widest (a prefill chunk: dec.max_step, or what the cache
+    has room for) once, keeping nothing: the cache's length is put back, the K/V written past it are stale rows.
+    Returns the two widths asked for."""
+    import numpy as np
+
+    start = int(dec.kv.lengths[0])
+    dec.forward(np.zeros((1, 1), dtype=np.int64))
+    widest = min(dec.max_step, dec.kv.max_len - start)
+    dec.prefill(np.zeros((1, widest), dtype=np.int64))
+    dec.kv.truncate(start)
+    return 1, widest
