@@ -108,7 +108,7 @@ class Decoder:
         self.bias_dtype = np.dtype(_FLOAT_TYPES.get(types.get(ATTENTION_BIAS, ""), np.float32))
         self._zero_bias = np.zeros(kv.batch * self.max_step * kv.capacity if spec.has_tree_bias else 0, self.bias_dtype)
         if kv.capacity - kv.max_len < spec.min_step_tokens - 1:
-            raise ValueError(f"graph {path.name} pads steps to {spec.min_step_tokens} rows: its KV cache needs "
+            raise ValueError(f"graph {path.name} pads steps to {spec.min_step_tokens} tokens: its KV cache needs "
                              f"slack={spec.min_step_tokens - 1}")
         self._T_run = 0  # width the last step ran at (>= its real width when padded to spec.min_step_tokens)
 
