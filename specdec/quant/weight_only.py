@@ -1,8 +1,10 @@
 """Weight-only quantization of a decoder graph's MatMul weights to onnxruntime MatMulNBits.
 
-accuracy_level decides the kernel: 4 computes with int8 activations and is fastest, but its T=1 and
-T>1 paths round differently (logits differ by up to ~0.85, FACTS), so a target quantized that way is
-not lossless under speculation. 0/1 keeps fp32 activations: T-invariant. A drafter may use 4 freely,
+accuracy_level decides the kernel: 4 computes with int8 activations and is fastest; 0/1 keeps fp32 activations.
+The int8 rounding amplifies the ~1e-7 by which GroupQueryAttention's 1-token path differs from its multi-token
+path into whole logits (FACTS: up to ~0.85; 1.7 measured on the default model), while multi-token steps agree bit
+for bit: a target quantized with 4 is lossless under speculation only when every step runs >= 2 tokens
+(GraphSpec.min_step_tokens, measured and recorded by export/quantize --fast-kernels). A drafter may use 4 freely,
 since its numerics never reach the output.
 """
 from __future__ import annotations
