@@ -266,3 +266,24 @@ def test_hybrid_reports_its_next_source(engines):
     h.begin([5, 6, 7, 8, 5, 6], SamplingConfig(), np.random.default_rng(0))
     assert h.source([5, 6, 7, 8, 5, 6]) == "lookup"  # "5 6" occurred before: lookup has a continuation
     assert h.source([5, 6, 7, 8, 5, 6, 9, 10, 11]) == "model"  # "10 11" never occurred
+
+
+def test_pad_step_widens_a_step_without_changing_what_its_real_tokens_see():
+    """A 1-token step padded to 2 (graphs with min_step_tokens 2): the pad repeats the last token at the next
+    position; in a tree step's bias the real row keeps its mask and is masked off the pad's column."""
+    from specdec.runtime.decoder import _pad_step
+
+    tokens = np.array([[7], [9]])  # [B=2, T=1]
+    positions = np.array([[4], [6]])
+    q = np.array([1, 0])  # row 1 idle
+    bias = np.array([[[[0.0, -1e9, 0.0, 0.0, 0.0]]], [[[0.0, 0.0, 0.0, 0.0, 0.0]]]], dtype=np.float32)  # [2,1,1,5]
+    features = np.arange(2 * 1 * 3, dtype=np.float32).reshape(2, 1, 3)
+    t, p, q2, f, b = _pad_step(2, tokens, positions, q, features, bias)
+    np.testing.assert_array_equal(t, [[7, 7], [9, 9]])
+    np.testing.assert_array_equal(p, [[4, 5], [6, 7]])
+    np.testing.assert_array_equal(q2, [2, 0])  # the idle row stays idle
+    np.testing.assert_array_equal(f[:, 1], f[:, 0])
+    assert b.shape == (2, 1, 2, 6)
+    np.testing.assert_array_equal(b[:, :, :1, :5], bias)
+    assert (b[:, :, :1, 5] == np.finfo(np.float32).min).all()  # the real row never sees the pad
+    assert (b[:, :, 1, :] == 0).all()
