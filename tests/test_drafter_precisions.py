@@ -87,3 +87,15 @@ def test_quantized_drafter_bundles_at_every_precision(fp32_bundles, tmp_path, ki
     _check(tmp_path / "q", kind, precision)
     assert not (fp32_bundles / kind / "specdec.json").read_text() == (tmp_path / "q" / "specdec.json").read_text()
     specdec.load(fp32_bundles / kind, drafter=DRAFTERS[kind][0])  # the source bundle is untouched
+
+
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+def test_fast_kernel_drafter_bundles_pad_every_graph_of_the_target(fp32_bundles, tmp_path, kind):
+    """`quantize --fast-kernels` on EAGLE, Medusa and LayerSkip bundles: the target (and a LayerSkip split's exit
+    and tail, which run its arithmetic) take 2-token steps, and every drafter stays token-identical."""
+    quantize_bundle(fp32_bundles / kind, tmp_path / "q", "int4", fast_kernels=True)
+    m = read_manifest(tmp_path / "q")
+    split = ("exit", "tail") if kind == "layerskip" else ()
+    assert {n: g.min_step_tokens for n, g in m.graphs.items() if n in ("target",) + split} == \
+        {n: 2 for n in ("target",) + split}
+    _check(tmp_path / "q", kind, "int4")
