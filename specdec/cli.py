@@ -503,7 +503,7 @@ def devices(bundle, notes):
 @click.option("--fast-kernels", is_flag=True,
               help="int8/int4 with int8-activation kernels: much faster on CPUs. They amplify a 1-token step's "
                    "rounding, so the bundle runs every step with >= 2 tokens (measured at quantize: speculation then "
-                   "stays token-identical to its plain decoding, which pays ~10% for the padding token).")
+                   "stays token-identical to its plain decoding, which pays ~10-15% for the padding token).")
 @click.option("--block-size", type=int, default=None,
               help="Weights per quantization scale (power of two >= 16; default 32). Larger: smaller and faster, less exact.")
 @click.option("--method", type=click.Choice(["minmax", "rtn", "hqq", "gptq"]), default=None,
