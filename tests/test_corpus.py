@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from specdec.errors import SpecdecError
 from specdec.runtime.drafters.base import Drafter
-from specdec.runtime.drafters.corpus import Corpus, CorpusDrafter
+from specdec.runtime.drafters.corpus import Continuation, Corpus, CorpusDrafter
 from specdec.runtime.drafters.ngram import NgramDrafter
 from specdec.runtime.sampling import SamplingConfig
 
@@ -157,30 +157,83 @@ def test_min_share_stops_where_the_occurrences_disagree():
     assert corpus.continuation([1], 3, min_share=0.8) == ([], 1)
 
 
-def test_drafts_carry_a_confidence_that_learns_from_what_the_target_kept():
-    """A corpus token's confidence is its share times the learnt reliability of corpus tokens after that long a
-    match; a drafted token the target did not keep lowers it, whether it was rejected or cut before verification
-    (the target's own token tells which)."""
-    from specdec.runtime.drafters.corpus import CORPUS_PRIOR, PRIOR_TRIALS
+def test_a_continuation_records_how_the_occurrences_voted():
+    corpus = Corpus.from_texts([[1, 2, 3], [1, 2, 3], [1, 2, 4], [1, 9, 9]], VOCAB)
+    found = corpus.draft([40, 41, 1], 3)
+    # "1" is followed by 2 in 3 of 4 texts (runner-up 9: 1/4), then by 3 in 2 of those 3 (runner-up 4: 1/3), then
+    # every voter reaches the end of its text
+    assert (found.n, found.tokens, found.voters) == (1, [2, 3], [4, 3])
+    assert found.shares == pytest.approx([3 / 4, 2 / 3])
+    assert found.runner_up == pytest.approx([1 / 4, 1 / 3])
+    assert corpus.draft([42], 3) == Continuation(n=0)
 
+
+def test_confidence_is_the_fitted_logistic_model_of_the_votes(monkeypatch):
+    import specdec.runtime.drafters.corpus as corpus_module
+
+    weights = {"bias": -1.0, "share": 2.0, "log_voters": 0.5, "depth": 0.25, "runner_up": -1.0,
+               "matched": (0.0, 0.5, 1.0, 1.5)}
+    monkeypatch.setattr(corpus_module, "CONFIDENCE_WEIGHTS", weights)
+    found = Continuation(n=6, tokens=[7, 8], voters=[3, 1], shares=[0.5, 1.0], runner_up=[0.25, 0.0])
+    z = np.array([-1 + 1.0 + 0.5 * np.log(4) + 0 - 0.25 + 1.5, -1 + 2.0 + 0.5 * np.log(2) + 0.25 - 0 + 1.5])
+    np.testing.assert_allclose(found.confidence(), 1 / (1 + np.exp(-z)))
+    # The shipped weights: more agreement, more voters and a longer match each make a token more likely
+    monkeypatch.undo()
+    base = Continuation(n=1, tokens=[7], voters=[20], shares=[0.6], runner_up=[0.2]).confidence()[0]
+    for better in (Continuation(n=1, tokens=[7], voters=[20], shares=[0.9], runner_up=[0.1]),
+                   Continuation(n=1, tokens=[7], voters=[200], shares=[0.6], runner_up=[0.2]),
+                   Continuation(n=4, tokens=[7], voters=[20], shares=[0.6], runner_up=[0.2])):
+        assert better.confidence()[0] > base
+
+
+def test_drafts_carry_a_confidence_that_learns_from_what_the_target_kept(monkeypatch):
+    """A corpus token's confidence is its fitted probability times the learnt reliability of corpus tokens after
+    that long a match (1 at first); a drafted token the target did not keep lowers it, whether it was rejected or
+    cut before verification (the target's own token tells which)."""
+    import specdec.runtime.drafters.corpus as corpus_module
+    from specdec.runtime.drafters.corpus import PRIOR_TRIALS
+
+    monkeypatch.setattr(corpus_module, "CONFIDENCE_WEIGHTS", {"bias": 0.0, "share": 2.0, "log_voters": 0.0, "depth": 0.0,
+                                                              "runner_up": 0.0, "matched": (0.0, 0.0, 0.0, 0.0)})
     corpus = Corpus.from_texts([[1, 2, 3], [1, 2, 3], [1, 2, 4], [1, 9, 9]], VOCAB)
     drafter = CorpusDrafter(NgramDrafter(max_ngram=3, min_ngram=2), corpus)
     drafter.begin([40, 41], SamplingConfig(), np.random.default_rng(0))
     rel = drafter.reliability[("corpus", 1)]
-    assert rel.rate == pytest.approx(CORPUS_PRIOR[1])
-    d = drafter.propose([40, 41, 1], 3)  # "1" is followed by 2 in 3 of 4 texts, then by 3 in 2 of those 3
+    assert rel.rate == pytest.approx(1.0)
+    d = drafter.propose([40, 41, 1], 3)
+    scores = 1 / (1 + np.exp(-2 * np.array([3 / 4, 2 / 3])))  # shares 3/4 then 2/3 (see the test above)
     assert d.tokens.tolist() == [2, 3]
-    np.testing.assert_allclose(d.confidence, np.array([3 / 4, 2 / 3]) * CORPUS_PRIOR[1])
-    hits, scores = rel.hits, rel.scores
+    np.testing.assert_allclose(d.confidence, scores)
+    hits, tried = rel.hits, rel.scores
     drafter.accept(1, 7)  # 2 kept, then the target wrote 7 where 3 was drafted
-    assert (rel.hits, rel.scores) == pytest.approx((hits + 1, scores + 3 / 4 + 2 / 3))
-    assert rel.rate == pytest.approx((PRIOR_TRIALS * CORPUS_PRIOR[1] + 1) / (PRIOR_TRIALS + 3 / 4 + 2 / 3))
-    drafter.propose([40, 41, 1], 3)
+    assert (rel.hits, rel.scores) == pytest.approx((hits + 1, tried + scores.sum()))
+    assert rel.rate == pytest.approx((PRIOR_TRIALS + 1) / (PRIOR_TRIALS + scores.sum()))
+    np.testing.assert_allclose(drafter.propose([40, 41, 1], 3).confidence, scores * rel.rate)
     hits = rel.hits
     drafter.accept(0, 2)  # cut before verification, but 2 was the target's token: a hit
     assert rel.hits == pytest.approx(hits + 1)
     lookup = drafter.propose([40, 41, 5, 40, 41], 2)  # the prompt repeats: lookup tokens, scored 1 each
     assert lookup.confidence.tolist() == [drafter.reliability[("lookup", 2)].rate] * 2
+
+
+def test_a_corpus_draft_stops_at_an_unlikely_token(monkeypatch):
+    """A fixed draft length verifies every token the drafter gives, so the drafter stops before the first corpus
+    token below MIN_CONFIDENCE (shares 3/4 then 1/3: sigmoid(-4 + 9 * 3/4) = 0.94, sigmoid(-4 + 3) = 0.27 < 0.3)."""
+    import specdec.runtime.drafters.corpus as corpus_module
+
+    monkeypatch.setattr(corpus_module, "CONFIDENCE_WEIGHTS", {"bias": -4.0, "share": 9.0, "log_voters": 0.0, "depth": 0.0,
+                                                              "runner_up": 0.0, "matched": (0.0, 0.0, 0.0, 0.0)})
+    monkeypatch.setattr(corpus_module, "MIN_CONFIDENCE", 0.3)
+    corpus = Corpus.from_texts([[1, 2, 3], [1, 2, 4], [1, 2, 5], [1, 6, 7]], VOCAB)
+    drafter = CorpusDrafter(NgramDrafter(max_ngram=3, min_ngram=2), corpus)
+    drafter.begin([40, 41], SamplingConfig(), np.random.default_rng(0))
+    found = corpus.draft([1], 3)
+    assert found.tokens == [2, 3] and found.shares == pytest.approx([3 / 4, 1 / 3])
+    d = drafter.propose([40, 41, 1], 3)
+    assert d.tokens.tolist() == [2]
+    np.testing.assert_allclose(d.confidence, [1 / (1 + np.exp(-(-4 + 9 * 3 / 4)))])
+    monkeypatch.setattr(corpus_module, "MIN_CONFIDENCE", 0.95)
+    assert drafter.propose([40, 41, 1], 3).k == 0
 
 
 def test_adaptive_cut_keeps_what_pays_for_its_verification():

@@ -32,8 +32,13 @@ from pathlib import Path
 import numpy as np
 
 import specdec
-from specdec.runtime.drafters.corpus import CORPUS_PRIOR, LOOKUP_PRIOR, MAX_OCCURRENCES, MIN_SHARE, Corpus
+from specdec.runtime.drafters.corpus import LOOKUP_PRIOR, MAX_OCCURRENCES, Corpus
 from specdec.spec_bench import load_spec_bench
+
+# The corpus drafter's scoring when this replay was run (session 8): a corpus token scored by its raw share, with
+# these priors per match length and a stop below this share. The runtime now scores by corpus.CONFIDENCE_WEIGHTS.
+CORPUS_PRIOR = {1: 0.51, 2: 0.56, 3: 0.6, 4: 0.85}
+MIN_SHARE = 0.5
 
 K_MAX = 8
 
@@ -119,7 +124,8 @@ def features(answers: list[dict], corpus: Corpus) -> list[list[dict]]:
         for j in range(len(answer)):
             ctx = prompt + answer[:j]
             tokens, n = lookup(ctx, K_MAX)
-            c_tokens, shares, cn = corpus.continuation_shares(ctx, K_MAX)
+            found = corpus.draft(ctx, K_MAX)
+            c_tokens, shares, cn = found.tokens, found.shares, found.n
             per_position.append({"lookup": tokens, "lookup_n": n, "corpus": c_tokens, "shares": shares,
                                  "corpus_n": cn, "ctx": ctx})
         out.append(per_position)

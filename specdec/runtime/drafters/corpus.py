@@ -30,11 +30,15 @@ CORPUS_VERSION = 1
 # Occurrences a continuation is counted over: a one-token suffix can occur 10^4 times; a few hundred spread over
 # the corpus give the same majority at a fraction of the cost per round.
 MAX_OCCURRENCES = 512
-# A corpus token is drafted only while at least this share of the surviving occurrences agree on it. On 2 CPU
-# cores each drafted token widens the verification step by ~10% of a step; replaying 39 greedy Spec-Bench
-# answers at k=4 (bench/experiments/corpus_replay.py, bench/results/corpus_replay.json) gave tau 1.70 but a
-# modelled 1.26x when drafting regardless, 1.64 / 1.34x at a share of 0.5 (prompt lookup alone: 1.61 / 1.30x).
-MIN_SHARE = 0.5
+# P(accepted | the draft before it was) of a corpus token, as a logistic function of how the corpus voted for it:
+# the share of the occurrences agreeing on it, log(1 + how many occurrences voted), its depth in the draft, the
+# runner-up's share, and the matched context's length (1, 2, 3, 4+). Fitted by bench/experiments/
+# corpus_confidence.py (bench/results/corpus_confidence.json) on greedy answers to specdec's own held-out prompts.
+CONFIDENCE_WEIGHTS = {"bias": -5.381, "share": 4.456, "log_voters": 0.433, "depth": 0.191, "runner_up": 0.526,
+                      "matched": (0.0, 0.313, 0.456, 1.017)}
+# A fixed draft length still stops a corpus draft at a token this unlikely: verifying it costs ~7% of a step
+# (fp32 on 2 cores) for an expected gain below a third of a token.
+MIN_CONFIDENCE = 0.3
 
 
 class Corpus:
@@ -102,35 +106,55 @@ class Corpus:
         """Up to k tokens following the longest tail of `context` (min_ngram..max_ngram tokens) that the corpus
         holds, each the one most of the surviving occurrences continue with, stopping before a token fewer than
         `min_share` of them agree on; and the tail's length (0: none)."""
-        tokens, _, n = self.continuation_shares(context, k, min_ngram, min_share)
-        return tokens, n
+        found = self.draft(context, k, min_ngram)
+        n_kept = next((i for i, share in enumerate(found.shares) if share < min_share), len(found.tokens))
+        return found.tokens[:n_kept], found.n
 
-    def continuation_shares(self, context: Sequence[int], k: int, min_ngram: int = 1,
-                            min_share: float = 0.0) -> tuple[list[int], list[float], int]:
-        """continuation(), with the share of the surviving occurrences that agreed on each token."""
+    def draft(self, context: Sequence[int], k: int, min_ngram: int = 1) -> "Continuation":
+        """The majority continuation (see continuation()) with what each token's vote looked like."""
         for n in range(min(self.max_ngram, len(context)), min_ngram - 1, -1):
             lo, hi = self._range(context[len(context) - n:])
             if hi <= lo:
                 continue
             picks = np.linspace(lo, hi - 1, num=min(hi - lo, MAX_OCCURRENCES)).astype(np.int64)  # spread, fixed
             at = self.order[picks] + n  # [m] the token after each occurrence
-            out: list[int] = []
-            shares: list[float] = []
-            while len(out) < k:
+            found = Continuation(n=n)
+            while len(found.tokens) < k:
                 following = self.tokens[at]  # [m]
                 following = following[following != self.sep]
                 if not len(following):
                     break
                 counts = np.bincount(following)
                 token = int(np.argmax(counts))  # ties: the smaller id, deterministically
-                share = counts[token] / len(following)
-                if share < min_share:
-                    break
-                out.append(token)
-                shares.append(float(share))
+                found.tokens.append(token)
+                found.voters.append(len(following))
+                found.shares.append(float(counts[token] / len(following)))
+                counts[token] = 0
+                found.runner_up.append(float(counts.max() / len(following)))
                 at = at[self.tokens[at] == token] + 1
-            return out, shares, n
-        return [], [], 0
+            return found
+        return Continuation(n=0)
+
+
+@dataclass
+class Continuation:
+    """A corpus draft: the tokens, and per token how the occurrences that reached it voted."""
+
+    n: int  # tokens of context matched (0: no match)
+    tokens: list[int] = field(default_factory=list)
+    voters: list[int] = field(default_factory=list)  # occurrences (of at most MAX_OCCURRENCES) still agreeing so far
+    shares: list[float] = field(default_factory=list)  # share of the voters continuing with the token
+    runner_up: list[float] = field(default_factory=list)  # share of the next most common continuation
+
+    def confidence(self) -> np.ndarray:
+        """P(token i is the target's | tokens < i were), by the logistic model fitted on specdec's own held-out
+        prompts (see CONFIDENCE_WEIGHTS)."""
+        w = CONFIDENCE_WEIGHTS
+        depth = np.arange(len(self.tokens))  # [k]
+        z = (w["bias"] + w["share"] * np.asarray(self.shares) + w["log_voters"] * np.log1p(self.voters)
+             + w["depth"] * depth + w["runner_up"] * np.asarray(self.runner_up)
+             + w["matched"][min(self.n, len(w["matched"])) - 1])  # [k]
+        return 1.0 / (1.0 + np.exp(-z))
 
 
 @dataclass
@@ -155,21 +179,22 @@ class Reliability:
         self.scores += score
 
 
-# Prior acceptance of a prompt-lookup token by match length (2, 3 or more), and of a corpus token per unit of
-# share by the context's matched length (1..4), measured on specdec's own held-out prompts
-# (bench/results/own_heldout_broad.jsonl, 26 greedy answers, 2,820 tokens; never Spec-Bench's questions). They
-# only start the running estimates: each drafter learns its own from what the target accepts (on Spec-Bench the
-# corpus is right less often than on specdec's own kind of prompt: acceptance / share 0.25..0.53).
+# Prior acceptance of a prompt-lookup token by match length (2, 3 or more), measured on specdec's own held-out
+# prompts (bench/results/own_heldout_broad.jsonl, 26 greedy answers, 2,820 tokens; never Spec-Bench's questions).
+# A corpus token's score is already a probability (CONFIDENCE_WEIGHTS), so its kinds start at 1. They only start
+# the running estimates: each drafter learns its own from what the target accepts (Spec-Bench's questions are
+# further from the corpus than specdec's own prompts, so there the corpus kinds' rates fall below 1).
 LOOKUP_PRIOR = {2: 0.55, 3: 0.78}
-CORPUS_PRIOR = {1: 0.51, 2: 0.56, 3: 0.6, 4: 0.85}
+CORPUS_KINDS = 4  # matched context lengths 1..4+ learnt apart
 # Weight of a prior, in tokens tried: ~a dozen rounds of evidence outweigh it.
 PRIOR_TRIALS = 30
 
 
 class CorpusDrafter:
     """Drafter (see base.py): prompt lookup where the conversation repeats itself, the corpus elsewhere. Each
-    token carries a confidence (its raw score times the learnt reliability of its kind), which an adaptive draft
-    length uses to cut the draft where verifying more no longer pays."""
+    token carries a confidence (its score times the learnt reliability of its kind), which an adaptive draft
+    length uses to cut the draft where verifying more no longer pays. A fixed draft length verifies corpus tokens
+    up to the first whose confidence is below MIN_CONFIDENCE."""
 
     def __init__(self, lookup: NgramDrafter, corpus: Corpus) -> None:
         if lookup.config.min_ngram < LOOKUP_MIN_NGRAM:
@@ -178,7 +203,7 @@ class CorpusDrafter:
         self.lookup, self.corpus = lookup, corpus
         # Kept across sequences: how reliable each kind of token is for this target on this user's prompts.
         self.reliability = {**{("lookup", n): Reliability(p) for n, p in LOOKUP_PRIOR.items()},
-                            **{("corpus", n): Reliability(p) for n, p in CORPUS_PRIOR.items()}}
+                            **{("corpus", n): Reliability(1.0) for n in range(1, CORPUS_KINDS + 1)}}
         self._last: tuple[tuple[str, int], list[int], list[float]] | None = None  # the last draft: kind, tokens, scores
 
     def begin(self, prompt_ids: Sequence[int], sampling: SamplingConfig, rng: np.random.Generator) -> None:
@@ -193,15 +218,20 @@ class CorpusDrafter:
         if k <= 0:
             return Draft(tokens=np.zeros(0, dtype=np.int64))
         tokens, n = self.lookup.lookup(context, k)
-        kind, scores = ("lookup", min(n, max(LOOKUP_PRIOR))), [1.0] * len(tokens)
-        if not tokens:
-            tokens, scores, n = self.corpus.continuation_shares(context, k, min_share=MIN_SHARE)
-            kind = ("corpus", min(n, max(CORPUS_PRIOR)))
+        if tokens:
+            kind, scores = ("lookup", min(n, max(LOOKUP_PRIOR))), np.ones(len(tokens))  # [k]
+        else:
+            found = self.corpus.draft(context, k)
+            kind, tokens, scores = ("corpus", min(found.n, CORPUS_KINDS)), found.tokens, found.confidence()
         if not tokens:
             return Draft(tokens=np.zeros(0, dtype=np.int64))
-        self._last = (kind, tokens, scores)
-        rate = self.reliability[kind].rate
-        confidence = np.minimum(np.asarray(scores) * rate, 1.0)  # [k]
+        confidence = np.minimum(scores * self.reliability[kind].rate, 1.0)  # [k]
+        if kind[0] == "corpus":
+            keep = int(np.argmin(confidence >= MIN_CONFIDENCE)) if (confidence < MIN_CONFIDENCE).any() else len(tokens)
+            tokens, scores, confidence = tokens[:keep], scores[:keep], confidence[:keep]
+            if not keep:
+                return Draft(tokens=np.zeros(0, dtype=np.int64))
+        self._last = (kind, list(tokens), list(scores))
         return Draft(tokens=np.asarray(tokens, dtype=np.int64), confidence=confidence)  # [<= k]
 
     def accept(self, n_accepted: int, next_token: int) -> None:
