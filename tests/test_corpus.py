@@ -216,24 +216,45 @@ def test_drafts_carry_a_confidence_that_learns_from_what_the_target_kept(monkeyp
     assert lookup.confidence.tolist() == [drafter.reliability[("lookup", 2)].rate] * 2
 
 
-def test_a_corpus_draft_stops_at_an_unlikely_token(monkeypatch):
-    """A fixed draft length verifies every token the drafter gives, so the drafter stops before the first corpus
-    token below MIN_CONFIDENCE (shares 3/4 then 1/3: sigmoid(-4 + 9 * 3/4) = 0.94, sigmoid(-4 + 3) = 0.27 < 0.3)."""
+def test_a_fixed_length_stops_a_scored_draft_at_an_unlikely_token(monkeypatch):
+    """With no step costs to weigh, a fixed length verifies a scored draft up to the first token below
+    MIN_CONFIDENCE (shares 3/4 then 1/3: sigmoid(-4 + 9 * 3/4) = 0.94, sigmoid(-4 + 3) = 0.27 < 0.3); the drafter
+    itself proposes both."""
+    import specdec.runtime.draft_len as draft_len
     import specdec.runtime.drafters.corpus as corpus_module
+    from specdec.runtime.draft_len import FixedDraftLen
 
     monkeypatch.setattr(corpus_module, "CONFIDENCE_WEIGHTS", {"bias": -4.0, "share": 9.0, "log_voters": 0.0, "depth": 0.0,
                                                               "runner_up": 0.0, "matched": (0.0, 0.0, 0.0, 0.0)})
-    monkeypatch.setattr(corpus_module, "MIN_CONFIDENCE", 0.3)
+    monkeypatch.setattr(draft_len, "MIN_CONFIDENCE", 0.3)
     corpus = Corpus.from_texts([[1, 2, 3], [1, 2, 4], [1, 2, 5], [1, 6, 7]], VOCAB)
     drafter = CorpusDrafter(NgramDrafter(max_ngram=3, min_ngram=2), corpus)
     drafter.begin([40, 41], SamplingConfig(), np.random.default_rng(0))
     found = corpus.draft([1], 3)
     assert found.tokens == [2, 3] and found.shares == pytest.approx([3 / 4, 1 / 3])
     d = drafter.propose([40, 41, 1], 3)
-    assert d.tokens.tolist() == [2]
-    np.testing.assert_allclose(d.confidence, [1 / (1 + np.exp(-(-4 + 9 * 3 / 4)))])
-    monkeypatch.setattr(corpus_module, "MIN_CONFIDENCE", 0.95)
-    assert drafter.propose([40, 41, 1], 3).k == 0
+    assert d.tokens.tolist() == [2, 3]
+    kept = FixedDraftLen(3).cut(d)
+    assert kept.tokens.tolist() == [2]
+    np.testing.assert_allclose(kept.confidence, [1 / (1 + np.exp(-(-4 + 9 * 3 / 4)))])
+    monkeypatch.setattr(draft_len, "MIN_CONFIDENCE", 0.95)
+    assert FixedDraftLen(3).cut(d).k == 0
+
+
+def test_adaptive_length_asks_a_scored_source_for_its_longest_draft():
+    """A source whose drafts carry confidences gets k_max (the cut decides where to stop); the others keep the
+    length the running acceptance rate gives."""
+    from specdec.runtime.draft_len import AdaptiveDraftLen
+    from specdec.runtime.drafters.base import Draft
+
+    policy = AdaptiveDraftLen(verify_s=[1.0, 1.5, 1.6, 1.7, 2.0], draft_s=0.0, acceptance=0.3)
+    assert policy.next_k(4, "corpus") < 4  # acceptance 0.3: a short draft pays best at first
+    policy.cut(Draft(tokens=np.array([5, 6]), confidence=np.array([0.9, 0.2])), "corpus")
+    assert policy.next_k(4, "corpus") == 4
+    assert policy.next_k(2, "corpus") == 2  # never past the room left
+    assert policy.next_k(4, "lookup") < 4
+    policy.cut(Draft(tokens=np.array([5, 6])), "lookup")  # unscored: still capped by its rate
+    assert policy.next_k(4, "lookup") < 4
 
 
 def test_adaptive_cut_keeps_what_pays_for_its_verification():
@@ -252,9 +273,9 @@ def test_adaptive_cut_keeps_what_pays_for_its_verification():
     # would look best (1.39 / 1.2 > 1); at 1.5, neither pays.
     noisy = AdaptiveDraftLen(verify_s=[1.0, 1.5, 1.2], draft_s=0.0)
     assert noisy.cut(Draft(tokens=np.array([5, 6]), confidence=np.array([0.3, 0.3]))).k == 0
-    assert FixedDraftLen(4).cut(draft) is draft
     no_confidence = Draft(tokens=np.array([5, 6]))
     assert policy.cut(no_confidence) is no_confidence
+    assert FixedDraftLen(4).cut(no_confidence) is no_confidence
     with pytest.raises(ValueError, match="probabilities"):
         Draft(tokens=np.array([5]), confidence=np.array([1.5]))
     with pytest.raises(ValueError, match="one value per token"):

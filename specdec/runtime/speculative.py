@@ -118,7 +118,7 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
             k = draft_len.next_k(min(room - 1, MAX_STEP - 1), source) if drafter is not None else 0
             proposed = k > 0
             t_round = time.perf_counter()
-            draft = draft_len.cut(drafter.propose(context, k)) if proposed else NO_DRAFT
+            draft = draft_len.cut(drafter.propose(context, k), source) if proposed else NO_DRAFT
             t_drafted = time.perf_counter()
             step = np.asarray([[token, *draft.tokens]], dtype=np.int64)  # [1, k+1]
             if draft.parents is not None:

@@ -36,9 +36,6 @@ MAX_OCCURRENCES = 512
 # corpus_confidence.py (bench/results/corpus_confidence.json) on greedy answers to specdec's own held-out prompts.
 CONFIDENCE_WEIGHTS = {"bias": -5.381, "share": 4.456, "log_voters": 0.433, "depth": 0.191, "runner_up": 0.526,
                       "matched": (0.0, 0.313, 0.456, 1.017)}
-# A fixed draft length still stops a corpus draft at a token this unlikely: verifying it costs ~7% of a step
-# (fp32 on 2 cores) for an expected gain below a third of a token.
-MIN_CONFIDENCE = 0.3
 
 
 class Corpus:
@@ -192,9 +189,8 @@ PRIOR_TRIALS = 30
 
 class CorpusDrafter:
     """Drafter (see base.py): prompt lookup where the conversation repeats itself, the corpus elsewhere. Each
-    token carries a confidence (its score times the learnt reliability of its kind), which an adaptive draft
-    length uses to cut the draft where verifying more no longer pays. A fixed draft length verifies corpus tokens
-    up to the first whose confidence is below MIN_CONFIDENCE."""
+    token carries a confidence (its score times the learnt reliability of its kind), which the draft length policy
+    uses to cut the draft (see draft_len.py)."""
 
     def __init__(self, lookup: NgramDrafter, corpus: Corpus) -> None:
         if lookup.config.min_ngram < LOOKUP_MIN_NGRAM:
@@ -226,11 +222,6 @@ class CorpusDrafter:
         if not tokens:
             return Draft(tokens=np.zeros(0, dtype=np.int64))
         confidence = np.minimum(scores * self.reliability[kind].rate, 1.0)  # [k]
-        if kind[0] == "corpus":
-            keep = int(np.argmin(confidence >= MIN_CONFIDENCE)) if (confidence < MIN_CONFIDENCE).any() else len(tokens)
-            tokens, scores, confidence = tokens[:keep], scores[:keep], confidence[:keep]
-            if not keep:
-                return Draft(tokens=np.zeros(0, dtype=np.int64))
         self._last = (kind, list(tokens), list(scores))
         return Draft(tokens=np.asarray(tokens, dtype=np.int64), confidence=confidence)  # [<= k]
 
