@@ -71,6 +71,18 @@ def main() -> None:
     """Speculative decoding for LLMs on laptops and edge devices."""
 
 
+def _parse_draft_len(ctx, param, value):
+    if value is None or value == "auto":
+        return value
+    try:
+        k = int(value)
+    except ValueError:
+        raise click.BadParameter("must be an integer >= 0 or 'auto'") from None
+    if k < 0:
+        raise click.BadParameter("must be >= 0 (0 = no speculation)")
+    return k
+
+
 @main.command()
 @click.argument("model", required=False)
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Bundle folder to write.")
@@ -79,7 +91,8 @@ def main() -> None:
 @click.option("--precision", default="fp32", show_default=True,
               help="Target precision: fp32 | fp16 (for GPUs) | int8 | int4.")
 @click.option("--max-len", default=2048, show_default=True, help="Default KV buffer length (tokens).")
-@click.option("--draft-len", default=4, show_default=True, help="Default number of drafted tokens per round.")
+@click.option("--draft-len", callback=_parse_draft_len, default=None,
+              help="Default drafted tokens per round, or auto (default: auto for ngram, else 4).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @click.option("--exit-layer", default="auto", show_default=True,
               help="layerskip: draft from the first E layers; auto = chosen by a calibration on the target's answers.")
@@ -338,18 +351,6 @@ def _gen_config(max_new_tokens, temperature, top_k, top_p, seed, draft_len, stop
     sampling = _build(SamplingConfig, temperature=temperature, top_k=top_k, top_p=top_p)
     return _build(GenerationConfig, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                   draft_len=draft_len, stop=tuple(stop), chat=chat)
-
-
-def _parse_draft_len(ctx, param, value):
-    if value is None or value == "auto":
-        return value
-    try:
-        k = int(value)
-    except ValueError:
-        raise click.BadParameter("must be an integer >= 0 or 'auto'") from None
-    if k < 0:
-        raise click.BadParameter("must be >= 0 (0 = no speculation)")
-    return k
 
 
 def generation_options(fn):
@@ -611,8 +612,9 @@ DEFAULT_QUESTIONS = Path(__file__).resolve().parent.parent.parent / "shared" / "
 @click.option("--questions", type=click.Path(path_type=Path), default=None,
               help="Spec-Bench questions JSONL (default: ../shared/data/spec_bench_questions.jsonl).")
 @click.option("--limit", type=int, default=2, show_default=True, help="Questions per category (0 = all).")
-@click.option("--configs", default="ngram:4,model:4,model:auto", show_default=True,
-              help="Comma-separated DRAFTER:K runs beside plain decoding (K an integer or auto).")
+@click.option("--configs", default="ngram:4,corpus:auto,model:4", show_default=True,
+              help="Comma-separated DRAFTER:K runs beside plain decoding (K an integer or auto); those the bundle "
+                   "cannot run are skipped with a note.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--max-len", type=int, default=None, help="KV buffer length in tokens.")
 @click.option("--device", default=None, metavar="PROFILE", help="Device profile (`specdec devices`): provider and KV length.")
@@ -649,11 +651,12 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, th
     unusable = {"model": kind != "model", "hybrid": kind not in ("model", "eagle", "medusa"),
                 "hybrid-tree": kind not in ("eagle", "medusa"), "eagle": kind != "eagle",
                 "eagle-tree": kind != "eagle", "medusa": kind != "medusa", "medusa-tree": kind != "medusa",
-                "layerskip": kind != "layerskip"}
+                "layerskip": kind != "layerskip", "corpus": engine.manifest.drafter.corpus is None}
     skipped = [c.name for c in wanted if unusable.get(c.drafter, False)]
     wanted = [c for c in wanted if not unusable.get(c.drafter, False)]
     if skipped:
-        click.echo(f"note: bundle's drafter is {kind}; skipping {', '.join(skipped)}", err=True)
+        click.echo(f"note: bundle's drafter is {kind}" + (", without a corpus" if engine.manifest.drafter.corpus is None
+                                                           else "") + f"; skipping {', '.join(skipped)}", err=True)
     with Progress(disable=not sys.stderr.isatty()) as progress:
         task = progress.add_task("benchmarking", total=len(prompts) * (len(wanted) + 1))
         result = run_bench(engine, prompts, wanted, max_new_tokens, on_step=lambda: progress.advance(task),

@@ -77,3 +77,14 @@ def test_one_time_costs_stay_out_of_the_timed_runs(tiny_bundle, tmp_path, monkey
     result = run_bench(engine, prompts, [BenchConfig("ngram", "auto")], max_new_tokens=8)
     assert calls == [1]
     assert max(r["wall_s"] for r in result["runs"]) < 1.0
+
+
+def test_default_configs_skip_what_the_bundle_cannot_run(tiny_bundle, tmp_path):
+    """The tiny bundle has a draft model and no corpus: the default configs run plain, ngram:4 and model:4, and
+    say that corpus:auto was skipped."""
+    out = tmp_path / "default.json"
+    code, stdout, err = run_cli("bench", tiny_bundle, "--questions", _questions(tmp_path / "q.jsonl"), "--limit", 1,
+                                "--max-new-tokens", 8, "--out", out)
+    assert code == 0, err
+    assert json.loads(out.read_text())["configs"] == ["plain", "ngram:4", "model:4"]
+    assert "without a corpus; skipping corpus:auto" in err

@@ -168,6 +168,12 @@ def test_export_unknown_drafter(tmp_path, tiny_checkpoint):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("bad", ["0", "soon"])
+def test_export_bad_draft_len(tmp_path, tiny_checkpoint, bad):
+    assert_one_error(run_cli("export", tiny_checkpoint, "-o", tmp_path / "out", "--draft-len", bad), "draft-len")
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_unknown_precision(tmp_path, tiny_checkpoint):
     assert_one_error(run_cli("export", tiny_checkpoint, "-o", tmp_path / "out", "--precision", "fp8"),
                      "unknown precision 'fp8'", "fp32", "int8", "int4")

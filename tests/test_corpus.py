@@ -137,8 +137,15 @@ def test_export_copies_the_corpus_shipped_for_its_target(tiny_checkpoint, tiny_d
     assert grown["tokens"] == 2 * first["tokens"]
     m = export_bundle(tiny_checkpoint, tmp_path / "b", ExportConfig(drafter="ngram", max_len=128))
     assert m.drafter.corpus == "corpus.npz"
+    assert m.drafter.draft_len == "auto"  # lookup and corpus drafts are scored: cut by measured costs
     engine = specdec.load(tmp_path / "b")
     assert engine.drafter_kind == "corpus"  # the default where the bundle's drafter is ngram
+    from specdec.runtime.draft_len import AdaptiveDraftLen
+
+    assert isinstance(engine._draft_len_policy(None), AdaptiveDraftLen)
+    g = engine.generate("the quick brown fox", specdec.GenerationConfig(max_new_tokens=12))
+    assert g.token_ids == engine.generate("the quick brown fox",
+                                          specdec.GenerationConfig(max_new_tokens=12, draft_len=0)).token_ids
     m2 = export_bundle(tiny_checkpoint, tmp_path / "b2", ExportConfig(drafter="ngram", max_len=128, corpus=False))
     assert m2.drafter.corpus is None
     with pytest.raises(SpecdecError, match="no corpus"):

@@ -154,6 +154,12 @@ def test_manifest_errors(tiny_bundle, tmp_path):
         with pytest.raises(SpecdecError, match="min_step_tokens must be an integer in 1..8"):
             read_manifest(broken)
     del m["graphs"]["target"]["min_step_tokens"]
+    for bad in (0, "long", 2.0):
+        m["drafter"]["draft_len"] = bad
+        (broken / "specdec.json").write_text(json.dumps(m))
+        with pytest.raises(SpecdecError, match="draft_len must be an integer >= 1 or 'auto'"):
+            read_manifest(broken)
+    m["drafter"]["draft_len"] = 4
     m["drafter"]["kind"] = "telepathy"
     (broken / "specdec.json").write_text(json.dumps(m))
     with pytest.raises(SpecdecError, match="drafter.kind"):

@@ -34,12 +34,21 @@ EXPORT_PRECISIONS = ("fp32", "fp16", *TARGET_PRESETS)
 SPLIT_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "int8": 1e-2, "int4": 1e-2}
 
 
+# Default draft length by drafter. Prompt lookup and the corpus score each drafted token and draft for free, so
+# "auto" (measured step costs, the chain cut where it stops paying) beat a fixed 4 in every Spec-Bench run here:
+# fp32 1.58x vs 1.52x, 1.42x vs 1.41x, 1.41x vs 1.41x; fast int4 1.35x vs 1.30x, 1.37x vs 1.29x
+# (bench/results/specbench_*_confidence*.json, *_scored_cut.json). Model drafters keep a fixed length: with the
+# self-int4 drafter, model:3 ran 0.92x and model:auto 0.88x (specbench_selfint4.json).
+DEFAULT_DRAFT_LEN = {"ngram": "auto", "other": 4}
+
+
 @dataclass(frozen=True)
 class ExportConfig:
     drafter: str = "ngram"
     precision: str = "fp32"
     max_len: int = 2048  # default KV buffer length a runtime allocates (it can ask for another)
-    draft_len: int = 4
+    # The bundle's default draft length; None: DEFAULT_DRAFT_LEN for the drafter.
+    draft_len: int | str | None = None
     max_ngram: int = 3
     force: bool = False
     layerskip: LayerSkipConfig = field(default_factory=LayerSkipConfig)  # for drafter "layerskip"
@@ -73,8 +82,17 @@ class ExportConfig:
             raise SpecdecError("--heads is for --drafter eagle or medusa")
         if not (self.drafter in DRAFTERS[:-1] or self.drafter.startswith("model:")):
             raise SpecdecError(f"unknown drafter {self.drafter!r}", f"choose one of {', '.join(DRAFTERS)}")
-        if self.max_len <= 0 or self.draft_len <= 0:
-            raise SpecdecError("--max-len and --draft-len must be > 0")
+        if self.max_len <= 0:
+            raise SpecdecError("--max-len must be > 0")
+        if not (self.draft_len is None or self.draft_len == "auto"
+                or (type(self.draft_len) is int and self.draft_len > 0)):
+            raise SpecdecError(f"--draft-len must be an integer > 0 or 'auto', got {self.draft_len!r}")
+
+    @property
+    def default_draft_len(self) -> int | str:
+        if self.draft_len is not None:
+            return self.draft_len
+        return DEFAULT_DRAFT_LEN.get(self.drafter, DEFAULT_DRAFT_LEN["other"])
 
 
 @contextlib.contextmanager
@@ -206,9 +224,9 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
                                  chat_template=tok.chat_template if isinstance(tok.chat_template, str) else None,
                                  vocab_digest=vocab_digest(Tokenizer.from_file(str(partial / "tokenizer.json"))))
 
-        drafter = DrafterSpec(kind="none", draft_len=cfg.draft_len)
+        drafter = DrafterSpec(kind="none", draft_len=cfg.default_draft_len)
         if cfg.drafter == "ngram":
-            drafter = DrafterSpec(kind="ngram", max_ngram=cfg.max_ngram, draft_len=cfg.draft_len)
+            drafter = DrafterSpec(kind="ngram", max_ngram=cfg.max_ngram, draft_len=cfg.default_draft_len)
         elif cfg.drafter in SELF_DRAFT_PRESETS:
             qcfg = SELF_DRAFT_PRESETS[cfg.drafter]
             step(f"writing drafter graph ({cfg.drafter})")
@@ -217,7 +235,7 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             graphs["draft"] = _graph_spec("draft.onnx", model_cfg, f"int{qcfg.bits}", L, quant=qcfg.to_dict())
             check = check_logits(source.model, partial / "draft.onnx", graphs["draft"])
             graphs["draft"] = replace(graphs["draft"], checks=check.to_checks(graphs["draft"].precision))
-            drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.draft_len)
+            drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
         elif cfg.drafter == "layerskip":
             from specdec.export.layerskip import calibrate, check_split, write_layerskip
 
@@ -232,7 +250,7 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
                 raise SpecdecError(f"the layerskip split disagrees with the target graph: max |logit diff| {diff:.2e}",
                                    "please report this model")
             graphs["tail"] = replace(graphs["tail"], checks={"max_abs_logit_diff_vs_target_graph": diff})
-            drafter = DrafterSpec(kind="layerskip", draft_len=cfg.draft_len, **fields_)
+            drafter = DrafterSpec(kind="layerskip", draft_len=cfg.default_draft_len, **fields_)
         elif heads is not None:
             from specdec.export.eagle import write_eagle
 
@@ -241,7 +259,7 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             graphs["eagle"], fields_ = write_eagle(partial, model_cfg, weights, heads,
                                                    dtype=np.float16 if cfg.precision == "fp16" else np.float32,
                                                    int8=cfg.heads_precision == "int8")
-            drafter = DrafterSpec(kind="eagle", graph="eagle", draft_len=cfg.draft_len, **fields_)
+            drafter = DrafterSpec(kind="eagle", graph="eagle", draft_len=cfg.default_draft_len, **fields_)
         elif medusa is not None:
             from specdec.export.medusa import build_medusa_graph
 
@@ -251,12 +269,12 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
                 graph = quantize_weights(graph, SELF_DRAFT_PRESETS["self-int8"])
             save_graph(graph, partial / "medusa.onnx")
             np.save(partial / "draft_vocab.npy", medusa.vocab)
-            drafter = DrafterSpec(kind="medusa", draft_len=cfg.draft_len, heads="medusa.onnx",
+            drafter = DrafterSpec(kind="medusa", draft_len=cfg.default_draft_len, heads="medusa.onnx",
                                   draft_vocab="draft_vocab.npy", calibration=medusa.meta.get("report", {}))
         elif draft_bundle is not None:
             step(f"copying draft model from {draft_bundle}")
             graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)
-            drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.draft_len)
+            drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
 
         if cfg.corpus:
             from specdec.export.corpus import CORPUS_FILE, shipped_corpus

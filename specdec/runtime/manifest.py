@@ -170,7 +170,7 @@ class DrafterSpec:
     kind: str = "none"
     graph: str | None = None  # key into Manifest.graphs for kinds "model" and "eagle" (the head's graph)
     max_ngram: int = 3
-    draft_len: int = 4
+    draft_len: int | str = 4  # tokens drafted per round by default, or "auto" (measured costs, see draft_len.py)
     # kind == "layerskip": the target is split at exit_layer into graphs "exit" (layers [0, E)) and "tail"
     # (layers [E, L) + head) over one cache; exit_head is the ONNX file mapping the residual stream after
     # layer E to logits over the draft vocabulary, draft_vocab the .npy file of the token ids they stand for.
@@ -187,7 +187,8 @@ class DrafterSpec:
         _require((self.graph is not None) == (self.kind in ("model", "eagle")),
                  "drafter.graph is required for kinds 'model' and 'eagle' and only for them")
         _require(self.max_ngram >= 1, "drafter.max_ngram must be >= 1")
-        _require(self.draft_len >= 1, "drafter.draft_len must be >= 1")
+        _require(self.draft_len == "auto" or (type(self.draft_len) is int and self.draft_len >= 1),
+                 f"drafter.draft_len must be an integer >= 1 or 'auto', got {self.draft_len!r}")
         layerskip = self.kind == "layerskip"
         _require(layerskip == (self.exit_layer > 0) == (self.exit_head is not None),
                  "drafter.exit_layer and exit_head are required for kind 'layerskip' and only for it")
