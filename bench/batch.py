@@ -43,12 +43,12 @@ DEFAULT_QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench_questions.json
 
 
 def parse_config(text: str) -> tuple[str, int | str]:
-    """'none' | 'ngram:4' | 'model:auto' ... -> (drafter, k); k = 0 means plain decoding."""
+    """'none' | 'ngram:4' | 'corpus:auto' | 'model:auto' ... -> (drafter, k); k = 0 means plain decoding."""
     drafter, _, k = text.partition(":")
     if drafter == "none":
         return "none", 0
-    if drafter not in ("ngram", "model") or not (k.isdigit() or k == "auto"):
-        raise SystemExit(f"bad config {text!r}: use none, ngram:K, model:K (K an integer or auto)")
+    if drafter not in ("ngram", "corpus", "model") or not (k.isdigit() or k == "auto"):
+        raise SystemExit(f"bad config {text!r}: use none, ngram:K, corpus:K, model:K (K an integer or auto)")
     return drafter, k if k == "auto" else int(k)
 
 
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024, help="KV buffer per row")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--configs", default="none,ngram:4,ngram:auto",
-                    help="comma-separated: none, ngram:K, model:K (K an integer or auto)")
+                    help="comma-separated: none, ngram:K, corpus:K, model:K (K an integer or auto)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the best is reported")
     ap.add_argument("--out", type=Path, default=None)
@@ -131,7 +131,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for B in sizes:
             for drafter, k in configs:
-                kind = "model" if drafter == "model" else "ngram"
+                kind = drafter if drafter in ("model", "corpus") else "ngram"
                 if (B, kind) not in engines:
                     engines[(B, kind)] = load_engine(args.bundle, kind, B, runtime, args.max_len)
                 cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, draft_len=k)

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from specdec.errors import SpecdecError
-from specdec.runtime.engine import GenerationConfig
+from specdec.runtime.engine import GenerationConfig, default_drafter
 from specdec.runtime.manifest import MANIFEST_NAME, read_manifest
 from specdec.runtime.sampling import SamplingConfig
 from specdec.runtime.session import RuntimeOptions
@@ -458,7 +458,7 @@ class BatchJob:
             raise SpecdecError(f"--max-new-tokens must be > 0, got {self.max_new_tokens}")
         if self.batch_size > 1 and self.drafter == "hybrid":
             raise SpecdecError("drafter 'hybrid' is not supported with batch size > 1",
-                               "choose none, ngram or model, or --batch-size 1")
+                               "choose none, ngram, corpus or model, or --batch-size 1")
         paths = {"input": self.input, "output": self.output, "errors file": self.errors_path,
                  "meta file": meta_path(self.output)}
         resolved = {}
@@ -472,7 +472,7 @@ class BatchJob:
 
     def settings(self) -> JobSettings:
         m = read_manifest(self.bundle, verify_checksums=False)  # checksums are verified when the engine loads
-        return JobSettings(drafter=self.drafter or m.drafter.kind,
+        return JobSettings(drafter=self.drafter or default_drafter(m),
                            draft_len=m.drafter.draft_len if self.draft_len is None else self.draft_len,
                            max_new_tokens=self.max_new_tokens, max_len=self.max_len or m.default_max_len)
 

@@ -683,8 +683,8 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, th
 @click.option("--draft-len", callback=_parse_draft_len, default=None,
               help="Drafted tokens per round: K, 'auto' (default: one width per round from measured step costs), "
                    "or 0 for plain decoding.")
-@click.option("--drafter", type=click.Choice(["none", "ngram", "model", "hybrid"]), default=None,
-              help="Override the bundle's drafter (batch size > 1: none, ngram or model).")
+@click.option("--drafter", type=click.Choice(["none", "ngram", "corpus", "model", "hybrid"]), default=None,
+              help="Override the bundle's drafter (batch size > 1: none, ngram, corpus or model).")
 @click.option("--max-new-tokens", default=256, show_default=True, help="Default for lines that do not set it.")
 @click.option("--max-len", type=int, default=None, help="KV buffer length in tokens (default: the bundle's).")
 @click.option("--threads", default=0, show_default=True,

@@ -532,3 +532,33 @@ def test_batched_fast_kernel_bundle_matches_the_engine_to_a_full_buffer(fast_int
         eng = BatchedEngine(fast_int4, batch_size, drafter=drafter, max_len=48)
         got = {req.key: g for req, g in eng.run(_requests(eng, cfgs, texts))}
         assert [got[i].token_ids for i in range(len(texts))] == [r.token_ids for r in ref], drafter
+
+
+@pytest.fixture(scope="module")
+def corpus_bundle(tiny_bundle, tiny_distill_data, tmp_path_factory) -> Path:
+    """The tiny bundle with a corpus of its target's answers."""
+    from specdec.export.corpus import add_corpus
+
+    out = tmp_path_factory.mktemp("corpus") / "tiny"
+    shutil.copytree(tiny_bundle, out)
+    add_corpus(out, [tiny_distill_data])
+    return out
+
+
+@pytest.mark.parametrize("draft_len", [3, "auto"])
+def test_batched_corpus_rows_identical_to_batch_1(corpus_bundle, draft_len):
+    """Corpus rows (one index, reliabilities shared by the rows) give each row what it gets alone: greedy, and
+    seeded-sampled at a fixed length (with "auto" the batch chooses other widths than a row alone, so a sampled
+    row consumes its random numbers differently: the same law, other draws)."""
+    texts = prompts(7, seed=4)
+    greedy = [GenerationConfig(max_new_tokens=m, draft_len=draft_len) for m in [30, 5, 40, 17, 1, 24, 33]]
+    sampled = [GenerationConfig(max_new_tokens=20, seed=i, draft_len=draft_len,
+                                sampling=SamplingConfig(temperature=0.8, top_p=0.9)) for i in range(4)]
+    for cfgs in (greedy, sampled) if draft_len != "auto" else (greedy,):
+        ref = _alone(corpus_bundle, "corpus", texts[:len(cfgs)], cfgs)
+        eng = BatchedEngine(corpus_bundle, 3, drafter="corpus")
+        got = {req.key: g for req, g in eng.run(_requests(eng, cfgs, texts))}
+        assert [got[i].token_ids for i in range(len(cfgs))] == [r.token_ids for r in ref]
+        if cfgs is greedy:
+            assert sum(g.stats.drafted for g in got.values()) > 0
+    assert eng._corpus_drafter.reliability[("corpus", 1)].scores > 30  # the shared estimates learnt

@@ -28,8 +28,9 @@ B-1 idle rows through the matmuls nor loads the weights twice. The same binding 
 one row is left. (On a GPU provider, where the KV has no host slab, the prefill runs through the batched
 graph with the other rows idle.)
 
-Drafters: "none" and "ngram" (one NgramDrafter per row; deterministic, so with a fixed draft length sampled
-rows are also exactly what the row gets alone with the same seed), "model" (the bundle's draft graph batched
+Drafters: "none", "ngram" and "corpus" (one NgramDrafter or CorpusDrafter per row, the corpus loaded once and
+the learnt reliabilities shared by every row; deterministic, so with a fixed draft length sampled rows are also
+exactly what the row gets alone with the same seed), "model" (the bundle's draft graph batched
 the same way, one draft step for all rows at once, see BatchedModelDrafter; the int8 draft's kernels differ
 between 1 and several rows, so its sampled drafts, not the target's distribution, differ from batch 1).
 "hybrid" is batch-1 only.
@@ -55,8 +56,10 @@ from specdec.runtime.draft_len import (ACCEPT_EMA, ACCEPT_PRIOR, AdaptiveDraftLe
 from specdec.runtime.drafters.base import Draft
 from specdec.runtime.manifest import ATTENTION_BIAS, LOGITS_ROWS
 from specdec.runtime.drafters.draft_model import CONFIDENCE_STOP, draft_confidence
+from specdec.runtime.drafters.corpus import CorpusDrafter
 from specdec.runtime.drafters.ngram import NgramDrafter
-from specdec.runtime.engine import AUTO_K_MAX, Engine, Generation, GenerationConfig, OutputText
+from specdec.runtime.engine import (AUTO_K_MAX, Engine, Generation, GenerationConfig, OutputText, corpus_drafter,
+                                   default_drafter)
 from specdec.runtime.kv import KVCache
 from specdec.runtime.manifest import Manifest, read_manifest
 from specdec.runtime.sampling import probs_from_logits, sample, select_token
@@ -64,7 +67,7 @@ from specdec.runtime.session import RuntimeOptions, provider_list
 from specdec.runtime.speculative import NO_DRAFT, SpecStats
 from specdec.runtime.tokenizer import TextCodec
 
-BATCH_DRAFTERS = ("none", "ngram", "model")
+BATCH_DRAFTERS = ("none", "ngram", "corpus", "model")
 
 
 @dataclass(frozen=True)
@@ -262,7 +265,7 @@ class _Row:
         self.out = OutputText(codec, eos, req.cfg)
         self.context: list[int] = []
         self.token = -1  # the last emitted token: the next round's first input, not yet in the KV
-        self.drafter: NgramDrafter | None = None
+        self.drafter: NgramDrafter | CorpusDrafter | None = None
         self.policy: DraftLenPolicy | None = None
         self.t_decode = 0.0
         self.done = False
@@ -307,7 +310,7 @@ class BatchedEngine:
         self.batch_size = batch_size
         self.codec = TextCodec(self.path / m.tokenizer.file, m.tokenizer.chat_template, m.tokenizer.bos_token_id,
                                m.tokenizer.eos_token_ids)
-        self.drafter_kind = drafter or m.drafter.kind
+        self.drafter_kind = drafter or default_drafter(m)
         if self.drafter_kind not in BATCH_DRAFTERS:
             raise SpecdecError(f"drafter {self.drafter_kind!r} is not supported with batch size > 1",
                                f"choose {', '.join(BATCH_DRAFTERS)}, or batch size 1")
@@ -317,6 +320,8 @@ class BatchedEngine:
             if m.drafter.graph is None:
                 raise SpecdecError(f"bundle {self.path} has no draft model", "use --drafter ngram or none")
             self.draft_model = BatchedModelDrafter(self._decoder(m.drafter.graph))
+        # Corpus rows: one index of the corpus, and the reliabilities every row learns into.
+        self._corpus_drafter = corpus_drafter(self.path, m) if self.drafter_kind == "corpus" else None
         # (target step seconds by width 1..k_max+1, draft step seconds at width 1, at width 2), full batch
         self._costs: tuple[list[float], float, float] | None = None
 
@@ -422,9 +427,15 @@ class BatchedEngine:
         if row.policy is not None:
             if self.drafter_kind == "ngram":
                 row.drafter = NgramDrafter(max_ngram=self.manifest.drafter.max_ngram)
-                row.drafter.begin(prompt, req.cfg.sampling, row.rng)
+            elif self.drafter_kind == "corpus":
+                shared = self._corpus_drafter
+                row.drafter = CorpusDrafter(NgramDrafter(max_ngram=self.manifest.drafter.max_ngram,
+                                                         min_ngram=shared.lookup.config.min_ngram),
+                                            shared.corpus, shared.reliability)
             else:
                 self.draft_model.begin(r)
+            if row.drafter is not None:
+                row.drafter.begin(prompt, req.cfg.sampling, row.rng)
         row.done = row.emit([token]) or kv.max_len - int(kv.lengths[r]) <= 0
         row.t_decode = time.perf_counter()
         return row
@@ -447,20 +458,23 @@ class BatchedEngine:
         def cost(m: int) -> float:  # the first draft step is charged at width 2 (see _measure_costs)
             return verify_s[m] + (draft2_s + (m - 1) * draft1_s if m > 0 else 0.0)
 
-        def tokens(a: float, m: int) -> float:
-            a = min(a, 0.999)
+        def tokens(r: int, m: int) -> float:
+            """Row r's expected tokens from a round of width m: by its draft's confidences where it has them (token
+            i survives with the product of those up to it), else by its running acceptance rate."""
+            m = min(m, found[r])
+            if self.draft_model is None and looked[r].confidence is not None:
+                return 1.0 + float(np.cumprod(looked[r].confidence[:m]).sum())
+            a = min(rows[r].policy.estimate().acceptance, 0.999)
             return (1 - a ** (m + 1)) / (1 - a)
 
-        best = max(range(k_max + 1), key=lambda m: sum(tokens(row.policy.estimate().acceptance, min(m, found[r]))
-                                                       for r, row in rows.items()) / cost(m))
+        best = max(range(k_max + 1), key=lambda m: sum(tokens(r, m) for r in rows) / cost(m))
         ks = {r: min(best, found[r]) for r in rows}
         for r, row in rows.items():
             if ks[r] == 0 and found[r] > 0:  # written off this round: drift back toward the prior (see draft_len.py)
                 est = row.policy.estimate()
                 est.acceptance += ACCEPT_EMA * (ACCEPT_PRIOR - est.acceptance)
             if self.draft_model is None and ks[r] > 0:
-                d = looked[r]
-                drafts[r] = Draft(tokens=d.tokens[:ks[r]], p_draft=None if d.p_draft is None else d.p_draft[:ks[r]])
+                drafts[r] = looked[r].head(ks[r])
         return ks
 
     def _round(self, rows: dict[int, _Row]) -> list[int]:
@@ -478,7 +492,7 @@ class BatchedEngine:
             want = {r: (rows[r].context, k, rows[r].cfg.sampling, rows[r].rng) for r, k in ks.items() if k > 0}
             drafts = self.draft_model.propose(want) if want else {}
         else:
-            drafts.update({r: rows[r].drafter.propose(rows[r].context, k) for r, k in ks.items()
+            drafts.update({r: rows[r].policy.cut(rows[r].drafter.propose(rows[r].context, k)) for r, k in ks.items()
                            if k > 0 and r not in drafts})
         drafts = {r: drafts.get(r, NO_DRAFT) for r in rows}
         logits = self.target.forward_rows({r: [rows[r].token, *map(int, drafts[r].tokens)] for r in rows})
@@ -492,6 +506,8 @@ class BatchedEngine:
                 p_target = probs_from_logits(logits[r], row.cfg.sampling)  # [k+1, vocab]
                 n_accepted, token = speculative_accept(draft.tokens, draft.p_draft, p_target, row.rng)
             kv.lengths[r] += 1 + n_accepted
+            if row.drafter is not None:  # also after a draft cut to nothing: the target's token says if it was right
+                row.drafter.accept(n_accepted, token)
             if ks[r] > 0:
                 if self.draft_model is not None:
                     self.draft_model.accept(r, n_accepted)

@@ -139,8 +139,7 @@ class Engine:
         self._drafters: dict[str, Drafter | None] = {}
         self._eagle_head: EagleHead | None = None  # one head graph and cache for every EAGLE drafter
         self._medusa_heads: ExitHead | None = None
-        # A bundle with a corpus of the target's answers drafts from it where prompt lookup finds nothing.
-        self.use_drafter(drafter or ("corpus" if m.drafter.kind == "ngram" and m.drafter.corpus else m.drafter.kind))
+        self.use_drafter(drafter or default_drafter(m))
         self.cached_ids: list[int] = []  # what the target's KV holds, for prefix reuse across calls
         self.last_stats = SpecStats()
 
@@ -186,11 +185,7 @@ class Engine:
         if kind == "ngram":
             return NgramDrafter(max_ngram=m.drafter.max_ngram)
         if kind == "corpus":
-            if m.drafter.corpus is None:
-                raise SpecdecError(f"bundle {self.path} has no corpus of the target's answers",
-                                   "add one with `specdec corpus BUNDLE --data DATA`, or use --drafter ngram")
-            corpus = Corpus.load(self.path / m.drafter.corpus, m.model.vocab_size, m.tokenizer.vocab_digest)
-            return CorpusDrafter(NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM), corpus)
+            return corpus_drafter(self.path, m)
         heads_hybrid = kind in ("hybrid", "hybrid-tree") and m.drafter.kind in ("eagle", "medusa")
         if kind == "hybrid-tree" and not heads_hybrid:
             raise SpecdecError(f"bundle {self.path} has no EAGLE or Medusa heads to branch beside the lookup",
@@ -350,6 +345,21 @@ class Engine:
         for _ in self.stream(prompt, cfg):
             pass
         return self.last_generation
+
+
+def default_drafter(m: Manifest) -> str:
+    """The drafter a bundle decodes with unless told otherwise: its own, except that a lookup bundle with a corpus
+    of the target's answers drafts from it where prompt lookup finds nothing."""
+    return "corpus" if m.drafter.kind == "ngram" and m.drafter.corpus else m.drafter.kind
+
+
+def corpus_drafter(path: Path, m: Manifest, reliability: dict | None = None) -> CorpusDrafter:
+    """The bundle's corpus drafter; `reliability` (another CorpusDrafter's) to share what it learnt."""
+    if m.drafter.corpus is None:
+        raise SpecdecError(f"bundle {path} has no corpus of the target's answers",
+                           "add one with `specdec corpus BUNDLE --data DATA`, or use --drafter ngram")
+    corpus = Corpus.load(path / m.drafter.corpus, m.model.vocab_size, m.tokenizer.vocab_digest)
+    return CorpusDrafter(NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM), corpus, reliability)
 
 
 def load(bundle: str | Path, **kwargs) -> Engine:

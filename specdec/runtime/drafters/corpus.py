@@ -192,14 +192,17 @@ class CorpusDrafter:
     token carries a confidence (its score times the learnt reliability of its kind), which the draft length policy
     uses to cut the draft (see draft_len.py)."""
 
-    def __init__(self, lookup: NgramDrafter, corpus: Corpus) -> None:
+    def __init__(self, lookup: NgramDrafter, corpus: Corpus,
+                 reliability: dict[tuple[str, int], Reliability] | None = None) -> None:
+        """`reliability`: another drafter's, shared (the rows of a batch learn together)."""
         if lookup.config.min_ngram < LOOKUP_MIN_NGRAM:
             raise ValueError(f"the prompt lookup beside a corpus needs min_ngram >= {LOOKUP_MIN_NGRAM}: a one-token "
                              "match in the prompt predicts worse than the corpus")
         self.lookup, self.corpus = lookup, corpus
         # Kept across sequences: how reliable each kind of token is for this target on this user's prompts.
-        self.reliability = {**{("lookup", n): Reliability(p) for n, p in LOOKUP_PRIOR.items()},
-                            **{("corpus", n): Reliability(1.0) for n in range(1, CORPUS_KINDS + 1)}}
+        self.reliability = reliability if reliability is not None else {
+            **{("lookup", n): Reliability(p) for n, p in LOOKUP_PRIOR.items()},
+            **{("corpus", n): Reliability(1.0) for n in range(1, CORPUS_KINDS + 1)}}
         self._last: tuple[tuple[str, int], list[int], list[float]] | None = None  # the last draft: kind, tokens, scores
 
     def begin(self, prompt_ids: Sequence[int], sampling: SamplingConfig, rng: np.random.Generator) -> None:
