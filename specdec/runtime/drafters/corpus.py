@@ -6,7 +6,9 @@ other prompts (`specdec distill-data` output, or any token file) knows the targe
 " conclusion", after "Here are" it writes " some". The drafter tries the prompt first (a match of
 LOOKUP_MIN_NGRAM tokens or more is specific to this conversation), then the corpus: the longest suffix of the
 context (up to `max_ngram` tokens) found in the corpus, continued token by token with the continuation most
-occurrences agree on. No model, no randomness: drafts are deterministic, like prompt lookup's.
+occurrences agree on. No model, no randomness: drafts are deterministic, like prompt lookup's. Each corpus token
+carries the probability that the target agrees, from how the occurrences voted (CONFIDENCE_WEIGHTS): the draft
+length policy cuts the draft where verifying more stops paying.
 
 The corpus keeps its tokens only; its index (every position's next `max_ngram` tokens packed into one uint64 key,
 sorted) is built on load, so a lookup is two binary searches.
@@ -156,8 +158,9 @@ class Continuation:
 
 @dataclass
 class Reliability:
-    """Running acceptance of one kind of draft token (a source and match length) relative to the drafter's raw
-    score for it (a corpus share, or 1 for a lookup token): accepted tokens over the scores of the tokens tried.
+    """Running acceptance of one kind of draft token (a source and match length) relative to the drafter's score
+    for it (a corpus token's fitted probability, or 1 for a lookup token): accepted tokens over the scores of the
+    tokens tried.
     Starts as if PRIOR_TRIALS tokens had been tried at the prior rate, so one round cannot swing it."""
 
     prior: float
