@@ -52,6 +52,15 @@ def make_checkpoint(folder: Path, seed: int = 0, n_layers: int = 2, hidden: int 
     return folder
 
 
+@pytest.fixture(autouse=True)
+def own_step_costs(tmp_path, monkeypatch):
+    """Each test keeps `--draft-len auto`'s measured step costs in its own file, never the user's cache (and a
+    test never starts from costs an earlier test measured)."""
+    from specdec.runtime.step_costs import STEP_COSTS_ENV
+
+    monkeypatch.setenv(STEP_COSTS_ENV, str(tmp_path / "step_costs.json"))
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tokenizer()

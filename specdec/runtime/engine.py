@@ -30,6 +30,7 @@ from specdec.runtime.manifest import Manifest, read_manifest
 from specdec.runtime.sampling import SamplingConfig
 from specdec.runtime.session import RuntimeOptions, provider_list
 from specdec.runtime.speculative import SpecStats, speculate
+from specdec.runtime.step_costs import StepCostCache, cost_key
 from specdec.runtime.split import ExitHead, SplitTarget
 from specdec.runtime.tokenizer import StreamDecoder, TextCodec
 
@@ -119,17 +120,19 @@ class OutputText:
 
 class Engine:
     def __init__(self, bundle: str | Path, max_len: int | None = None, runtime: RuntimeOptions | None = None,
-                 drafter: str | None = None, verify_checksums: bool = True) -> None:
+                 drafter: str | None = None, verify_checksums: bool = True, step_costs: StepCostCache | None = None) -> None:
         """`drafter` overrides the bundle's: "none", "ngram", "model" (the bundle's draft graph) or "hybrid"
-        (n-gram lookup where it matches, the draft model elsewhere)."""
+        (n-gram lookup where it matches, the draft model elsewhere). `step_costs`: where measured step costs
+        are kept between runs (default: step_costs.default_path())."""
         self.path = Path(bundle)
         self.manifest: Manifest = read_manifest(self.path, verify_checksums=verify_checksums)
         self.runtime = runtime or RuntimeOptions()
         provider_list(self.runtime)  # an unavailable provider fails here, before KV is allocated on its device
         self.max_len = max_len or self.manifest.default_max_len
-        # Step costs for draft_len="auto", measured once per drafter kind on first use and kept: a
-        # calibration is ~40 forwards, too dear to repeat per prompt.
+        # Step costs for draft_len="auto", per drafter kind: measured on first use (a calibration is ~40 forwards,
+        # too dear to repeat per prompt) or read from an earlier run's, then refined by the rounds run.
         self._costs: dict[str, tuple[list[float], float]] = {}
+        self.step_costs = step_costs or StepCostCache()
         m = self.manifest
         if not 0 < self.max_len <= m.model.max_position:
             raise SpecdecError(f"--max-len {self.max_len} is outside 1..{m.model.max_position} (the model's positions)")
@@ -252,9 +255,26 @@ class Engine:
         return policy
 
     def _cached_costs(self) -> tuple[list[float], float]:
-        if self.drafter_kind not in self._costs:
-            self._costs[self.drafter_kind] = self._measure_costs()
-        return self._costs[self.drafter_kind]
+        """Step costs for this drafter: from this process, else from an earlier run on this machine
+        (step_costs.py), else measured now."""
+        kind = self.drafter_kind
+        if kind not in self._costs:
+            key = cost_key(self.manifest, kind, self.runtime)
+            costs = self.step_costs.load(key)
+            if costs is None or len(costs[0]) != AUTO_K_MAX + 1:
+                costs = self._measure_costs()
+                if len(costs[0]) == AUTO_K_MAX + 1:  # a measurement cut short by a nearly full KV is not kept
+                    self.step_costs.store(key, *costs)
+            self._costs[kind] = costs
+        return self._costs[kind]
+
+    def _keep_costs(self, policy: AdaptiveDraftLen) -> None:
+        """The target step costs as the generation's own rounds refined them: the next generation (and the next
+        process) starts from these."""
+        kind = self.drafter_kind
+        self._costs[kind] = (list(policy.verify_s), self._costs[kind][1])
+        if len(policy.verify_s) == AUTO_K_MAX + 1:
+            self.step_costs.store(cost_key(self.manifest, kind, self.runtime), *self._costs[kind])
 
     def _measure_costs(self) -> tuple[list[float], float]:
         """Time target steps of width 1..AUTO_K_MAX+1 and one draft step on this device.
@@ -313,16 +333,21 @@ class Engine:
         self.last_stats = stats = SpecStats()
         eos = set(self.manifest.tokenizer.eos_token_ids)
         n_new = 0
-        for tokens in speculate(self.target, drafter, prompt_ids, n_cached, policy or FixedDraftLen(0), cfg.sampling, rng, stats):
-            self.cached_ids = self.cached_ids[:int(kv.lengths[0])]
-            cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
-            tokens = tokens[:cut][: cfg.max_new_tokens - n_new]
-            n_new += len(tokens)
-            stats.new_tokens = n_new
-            self.cached_ids += tokens
-            yield tokens
-            if cut is not None or n_new >= cfg.max_new_tokens:
-                break
+        try:
+            for tokens in speculate(self.target, drafter, prompt_ids, n_cached, policy or FixedDraftLen(0),
+                                    cfg.sampling, rng, stats):
+                self.cached_ids = self.cached_ids[:int(kv.lengths[0])]
+                cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
+                tokens = tokens[:cut][: cfg.max_new_tokens - n_new]
+                n_new += len(tokens)
+                stats.new_tokens = n_new
+                self.cached_ids += tokens
+                yield tokens
+                if cut is not None or n_new >= cfg.max_new_tokens:
+                    break
+        finally:
+            if isinstance(policy, AdaptiveDraftLen) and stats.target_forwards:
+                self._keep_costs(policy)
         self.cached_ids = self.cached_ids[:int(kv.lengths[0])]
 
     def stream(self, prompt: Prompt, cfg: GenerationConfig | None = None) -> Iterator[str]:
