@@ -52,6 +52,23 @@ def make_checkpoint(folder: Path, seed: int = 0, n_layers: int = 2, hidden: int 
     return folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_user_step_costs(tmp_path_factory):
+    """Engines made by session- and module-scoped fixtures (before any test's own file is set) keep their step
+    costs in the session's temporary folder, never in the user's cache."""
+    import os
+
+    from specdec.runtime.step_costs import STEP_COSTS_ENV
+
+    before = os.environ.get(STEP_COSTS_ENV)
+    os.environ[STEP_COSTS_ENV] = str(tmp_path_factory.mktemp("step_costs") / "step_costs.json")
+    yield
+    if before is None:
+        os.environ.pop(STEP_COSTS_ENV, None)
+    else:
+        os.environ[STEP_COSTS_ENV] = before
+
+
 @pytest.fixture(autouse=True)
 def own_step_costs(tmp_path, monkeypatch):
     """Each test keeps `--draft-len auto`'s measured step costs in its own file, never the user's cache (and a
