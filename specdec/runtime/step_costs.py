@@ -28,10 +28,15 @@ VERSION = 1
 MAX_ENTRIES = 64
 
 
+def cache_dir() -> Path:
+    """specdec's per-user cache (the default model's download, these costs): $SPECDEC_CACHE or ~/.cache/specdec."""
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
 def default_path() -> Path:
     if os.environ.get(STEP_COSTS_ENV):
         return Path(os.environ[STEP_COSTS_ENV])
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "step_costs.json"
+    return cache_dir() / "step_costs.json"
 
 
 def cost_key(manifest: Manifest, drafter: str, opts: RuntimeOptions) -> str:
