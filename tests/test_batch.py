@@ -562,3 +562,11 @@ def test_batched_corpus_rows_identical_to_batch_1(corpus_bundle, draft_len):
         if cfgs is greedy:
             assert sum(g.stats.drafted for g in got.values()) > 0
     assert eng._corpus_drafter.reliability[("corpus", 1)].scores > 30  # the shared estimates learnt
+
+
+def test_batched_corpus_drafter_needs_a_corpus(tiny_bundle, tmp_path):
+    with pytest.raises(SpecdecError, match="no corpus"):
+        BatchedEngine(tiny_bundle, 2, drafter="corpus")
+    write_input(tmp_path / "in.jsonl", n=2)
+    assert_one_error(run_cli("batch", tiny_bundle, tmp_path / "in.jsonl", tmp_path / "out.jsonl", "--batch-size", 2,
+                             "--drafter", "corpus"), "no corpus", "specdec corpus")
