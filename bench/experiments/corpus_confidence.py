@@ -110,7 +110,9 @@ def log_loss(p: np.ndarray, y: np.ndarray) -> float:
     return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
 
 
-if __name__ == "__main__":
+def replay_args() -> tuple[argparse.Namespace, Corpus, int]:
+    """The command line of the corpus replays (BUNDLE ANSWERS.json [--make-answers N] [--out PATH]), BUNDLE's
+    corpus and its lookup's max n-gram."""
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle", type=Path)
     ap.add_argument("answers", type=Path)
@@ -119,13 +121,18 @@ if __name__ == "__main__":
     args = ap.parse_args()
     m = read_manifest(args.bundle)
     corpus = Corpus.load(args.bundle / m.drafter.corpus, m.model.vocab_size, m.tokenizer.vocab_digest)
+    return args, corpus, m.drafter.max_ngram
+
+
+if __name__ == "__main__":
+    args, corpus, max_ngram = replay_args()
     if args.make_answers:
         make_answers(args.bundle, corpus, args.make_answers, args.answers)
     answers = json.loads(args.answers.read_text())
-    x, y = collect(corpus, answers, m.drafter.max_ngram)
+    x, y = collect(corpus, answers, max_ngram)
     half = len(answers) // 2  # fit on the first half's rows, report the loss on the second's too
-    x_fit, y_fit = collect(corpus, answers[:half], m.drafter.max_ngram)
-    x_val, y_val = collect(corpus, answers[half:], m.drafter.max_ngram)
+    x_fit, y_fit = collect(corpus, answers[:half], max_ngram)
+    x_val, y_val = collect(corpus, answers[half:], max_ngram)
     w_half = fit_logistic(x_fit, y_fit)
     w = fit_logistic(x, y)
     share_only = fit_logistic(x_val[:, :2], y_val)

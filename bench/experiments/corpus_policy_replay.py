@@ -13,7 +13,6 @@ of each round's cost(T) (+ OVERHEAD_MS), against plain decoding at cost(T=1) per
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from specdec.runtime.draft_len import AdaptiveDraftLen, FixedDraftLen
 from specdec.runtime.drafters.base import Draft
 from specdec.runtime.drafters.corpus import CONFIDENCE_WEIGHTS, LOOKUP_PRIOR, MAX_OCCURRENCES, Corpus, CorpusDrafter
 from specdec.runtime.drafters.ngram import NgramDrafter
-from specdec.runtime.manifest import read_manifest
 from specdec.runtime.sampling import SamplingConfig
 
 # ms per target step by width T, medians inside the decode loop (Decoder._run timed over 9 Spec-Bench answers,
@@ -205,16 +203,11 @@ class BestOfDrafter(CorpusDrafter):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("bundle", type=Path)
-    ap.add_argument("answers", type=Path)
-    ap.add_argument("--make-answers", type=int, metavar="N")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    from corpus_confidence import replay_args  # noqa: E402  (the scripts run from bench/experiments/)
+
+    args, corpus, _ = replay_args()
     if args.make_answers:
         make_answers(args.bundle, args.make_answers, args.answers)
-    m = read_manifest(args.bundle)
-    corpus = Corpus.load(args.bundle / m.drafter.corpus, m.model.vocab_size, m.tokenizer.vocab_digest)
     answers = json.loads(args.answers.read_text())
     rows = []
     for kind in ("fp32", "int4"):
