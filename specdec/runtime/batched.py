@@ -458,16 +458,17 @@ class BatchedEngine:
         def cost(m: int) -> float:  # the first draft step is charged at width 2 (see _measure_costs)
             return verify_s[m] + (draft2_s + (m - 1) * draft1_s if m > 0 else 0.0)
 
-        def tokens(r: int, m: int) -> float:
-            """Row r's expected tokens from a round of width m: by its draft's confidences where it has them (token
-            i survives with the product of those up to it), else by its running acceptance rate."""
-            m = min(m, found[r])
+        def expected(r: int) -> np.ndarray:
+            """Row r's expected tokens from a round of width m = 0..k_max: by its draft's confidences where it has
+            them (token i survives with the product of those up to it), else by its running acceptance rate."""
+            m = np.minimum(np.arange(k_max + 1), found[r])  # [k_max+1] the row drafts at most what it found
             if self.draft_model is None and looked[r].confidence is not None:
-                return 1.0 + float(np.cumprod(looked[r].confidence[:m]).sum())
+                return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(looked[r].confidence))])[m]
             a = min(rows[r].policy.estimate().acceptance, 0.999)
             return (1 - a ** (m + 1)) / (1 - a)
 
-        best = max(range(k_max + 1), key=lambda m: sum(tokens(r, m) for r in rows) / cost(m))
+        gain = sum(expected(r) for r in rows)  # [k_max+1] the batch's expected tokens by round width
+        best = max(range(k_max + 1), key=lambda m: gain[m] / cost(m))
         ks = {r: min(best, found[r]) for r in rows}
         for r, row in rows.items():
             if ks[r] == 0 and found[r] > 0:  # written off this round: drift back toward the prior (see draft_len.py)
