@@ -37,9 +37,7 @@ from specdec.runtime.batched import BatchedEngine, BatchRequest  # noqa: E402
 from specdec.runtime.engine import Engine, GenerationConfig  # noqa: E402
 from specdec.runtime.manifest import read_manifest  # noqa: E402
 from specdec.runtime.session import RuntimeOptions  # noqa: E402
-from specdec.spec_bench import load_spec_bench  # noqa: E402
-
-DEFAULT_QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl"
+from specdec.spec_bench import DEFAULT_QUESTIONS, load_spec_bench  # noqa: E402
 
 
 def parse_config(text: str) -> tuple[str, int | str]:

@@ -150,9 +150,9 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=1, help="Spec-Bench questions per category for tok/s")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    from prompts import load_spec_bench
+    from prompts import DEFAULT_QUESTIONS, load_spec_bench
 
-    prompts = [p.messages for p in load_spec_bench("/work/shared/data/spec_bench_questions.jsonl", args.limit)]
+    prompts = [p.messages for p in load_spec_bench(DEFAULT_QUESTIONS, args.limit)]
     prompts = [p for p in prompts if len(p[0]["content"]) < 1500]  # decode speed, not prefill speed
     res: dict = {"threads": args.threads, "past": PAST}
     res["bandwidth_gbs"] = bandwidth_gbs()

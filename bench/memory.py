@@ -43,9 +43,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from prompts import load_spec_bench
+    from prompts import DEFAULT_QUESTIONS, load_spec_bench
 
-    prompts = [p.messages for p in load_spec_bench("/work/shared/data/spec_bench_questions.jsonl", 1)][: args.prompts]
+    prompts = [p.messages for p in load_spec_bench(DEFAULT_QUESTIONS, 1)][: args.prompts]
     rows = []
     for spec in args.config:
         bundle, _, drafter = spec.rpartition(":")

@@ -61,11 +61,11 @@ for _p in (str(HERE), str(REPO)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from prompts import load_spec_bench  # noqa: E402
+from prompts import DEFAULT_QUESTIONS as SPEC_BENCH, load_spec_bench  # noqa: E402
 
 from specdec.runtime.drafters import DRAFTER_CHOICES  # noqa: E402  (runtime only: no torch in this process)
 
-DEFAULT_QUESTIONS = os.environ.get("SPECDEC_SPEC_BENCH", "/work/shared/data/spec_bench_questions.jsonl")
+DEFAULT_QUESTIONS = os.environ.get("SPECDEC_SPEC_BENCH", str(SPEC_BENCH))
 
 PEERS: dict[str, dict] = {
     "hf": {"kind": "hf", "lookup": False,

@@ -12,6 +12,7 @@ import click
 
 from specdec.errors import SpecdecError
 from specdec.runtime.drafters import DRAFTER_CHOICES
+from specdec.spec_bench import DEFAULT_QUESTIONS
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -297,7 +298,7 @@ def corpus_cmd(bundle, data, keep):
 @click.option("--batch", default=32, show_default=True, help="Prompts per generation batch (= per shard).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--questions", type=click.Path(path_type=Path), default=None,
-              help="Benchmark questions to keep out of the data (default: Spec-Bench's, if present).")
+              help="Benchmark questions to keep out of the data (default: Spec-Bench's, shipped with specdec).")
 @click.option("--prompt-set", type=click.Choice(["broad", "basic"]), default="broad", show_default=True,
               help="Built-in prompts: broad (many task families) or basic (the first, narrow set).")
 @click.option("--documents", type=click.Path(path_type=Path), default=None,
@@ -571,7 +572,8 @@ def build_engines_cmd(bundle, device, max_len, rebuild):
 @main.command("quant-report")
 @click.argument("reference", type=click.Path(path_type=Path))
 @click.argument("candidates", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--questions", type=click.Path(path_type=Path), default=None, help="Spec-Bench questions JSONL.")
+@click.option("--questions", type=click.Path(path_type=Path), default=None,
+              help="Spec-Bench questions JSONL (default: the copy shipped with specdec).")
 @click.option("--limit", type=int, default=1, show_default=True, help="Questions per category.")
 @click.option("--max-new-tokens", default=96, show_default=True)
 @click.option("--draft-prompts", type=int, default=None,
@@ -604,13 +606,10 @@ def quant_report_cmd(reference, candidates, questions, limit, max_new_tokens, dr
         click.echo(f"wrote {out}")
 
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "spec_bench_questions.jsonl"
-
-
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--questions", type=click.Path(path_type=Path), default=None,
-              help="Spec-Bench questions JSONL (default: ../shared/data/spec_bench_questions.jsonl).")
+              help="Spec-Bench questions JSONL (default: the copy shipped with specdec).")
 @click.option("--limit", type=int, default=2, show_default=True, help="Questions per category (0 = all).")
 @click.option("--configs", default="ngram:4,corpus:auto,model:4", show_default=True,
               help="Comma-separated DRAFTER:K runs beside plain decoding (K an integer or auto); those the bundle "

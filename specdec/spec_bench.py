@@ -14,6 +14,9 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Spec-Bench's questions ship with specdec (data/README.md): `specdec bench` works wherever specdec is installed.
+DEFAULT_QUESTIONS = Path(__file__).resolve().parent / "data" / "spec_bench_questions.jsonl"
+
 
 @dataclass(frozen=True)
 class Prompt:

@@ -88,3 +88,30 @@ def test_default_configs_skip_what_the_bundle_cannot_run(tiny_bundle, tmp_path):
     assert code == 0, err
     assert json.loads(out.read_text())["configs"] == ["plain", "ngram:4", "model:4"]
     assert "without a corpus; skipping corpus:auto" in err
+
+
+def test_spec_bench_ships_with_specdec():
+    """`specdec bench` works outside this checkout: its default questions are package data, all 480 of them."""
+    import hashlib
+    from pathlib import Path
+
+    from specdec.spec_bench import DEFAULT_QUESTIONS, categories, load_spec_bench
+
+    assert DEFAULT_QUESTIONS.is_relative_to(Path(__import__("specdec").__file__).parent)
+    prompts = load_spec_bench(DEFAULT_QUESTIONS)
+    assert len(prompts) == 480 and len(categories(prompts)) == 13
+    readme = (DEFAULT_QUESTIONS.parent / "README.md").read_text()
+    assert hashlib.sha256(DEFAULT_QUESTIONS.read_bytes()).hexdigest() in readme
+    assert '"specdec" = ["data/*.jsonl"' in (Path(__file__).parents[1] / "pyproject.toml").read_text()
+
+
+def test_distill_data_refuses_a_missing_questions_file(tmp_path):
+    """A questions file given but absent is an error, not "no questions to keep out of the data"."""
+    import pytest
+
+    from specdec.errors import SpecdecError
+    from specdec.export.distill_data import benchmark_texts
+
+    assert benchmark_texts(None) == set()
+    with pytest.raises(SpecdecError, match="not found"):
+        benchmark_texts(tmp_path / "nope.jsonl")

@@ -39,11 +39,11 @@ def step_costs(kind: str, n: int = 17) -> list[float]:
 
 def make_answers(bundle: Path, per_category: int, out: Path) -> None:
     import specdec
-    from specdec.spec_bench import load_spec_bench
+    from specdec.spec_bench import DEFAULT_QUESTIONS, load_spec_bench
 
     engine = specdec.load(bundle, drafter="corpus")
     rows = []
-    for q in load_spec_bench(Path("../shared/data/spec_bench_questions.jsonl"), per_category, seed=7):
+    for q in load_spec_bench(DEFAULT_QUESTIONS, per_category, seed=7):
         ids = engine.encode(q.messages, True)
         cfg = specdec.GenerationConfig(max_new_tokens=192, draft_len="auto")
         rows.append({"category": q.category, "prompt": ids,

@@ -17,7 +17,7 @@ from pathlib import Path
 import specdec
 from specdec.export.corpus import answers_of
 from specdec.runtime.drafters.corpus import Corpus
-from specdec.spec_bench import load_spec_bench
+from specdec.spec_bench import DEFAULT_QUESTIONS, load_spec_bench
 
 STEP_MS, PER_TOKEN_MS = 20.0, 2.0
 
@@ -59,7 +59,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     engine = specdec.load(args.bundle, drafter="ngram")
     answers = []
-    for q in load_spec_bench(Path("../shared/data/spec_bench_questions.jsonl"), args.limit, seed=7):
+    for q in load_spec_bench(DEFAULT_QUESTIONS, args.limit, seed=7):
         ids = engine.encode(q.messages, True)
         g = engine.generate(q.messages, specdec.GenerationConfig(max_new_tokens=128, draft_len=4))
         answers.append((list(map(int, ids)), g.token_ids))

@@ -33,7 +33,7 @@ import numpy as np
 
 import specdec
 from specdec.runtime.drafters.corpus import LOOKUP_PRIOR, MAX_OCCURRENCES, Corpus
-from specdec.spec_bench import load_spec_bench
+from specdec.spec_bench import DEFAULT_QUESTIONS, load_spec_bench
 
 # The corpus drafter's scoring when this replay was run (session 8): a corpus token scored by its raw share, with
 # these priors per match length and a stop below this share. The runtime now scores by corpus.CONFIDENCE_WEIGHTS.
@@ -216,7 +216,7 @@ if __name__ == "__main__":
     m = engine.manifest
     corpus = Corpus.load(Path(args.bundle) / m.drafter.corpus, m.model.vocab_size, m.tokenizer.vocab_digest)
     sets = {"own_heldout_broad": load_spec_bench(Path("bench/results/own_heldout_broad.jsonl"), None),
-            "spec_bench": load_spec_bench(Path("../shared/data/spec_bench_questions.jsonl"), 3, seed=7)}
+            "spec_bench": load_spec_bench(DEFAULT_QUESTIONS, 3, seed=7)}
     results = {"bundle": args.bundle, "corpus_tokens": len(corpus), "step_ms": [round(c, 2) for c in cost_ms], "sets": {}}
     for name, questions in sets.items():
         answers = []

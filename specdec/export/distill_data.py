@@ -85,9 +85,11 @@ def load_prompt_file(path: Path) -> list[list[dict]]:
 
 
 def benchmark_texts(path: Path | None) -> set[str]:
-    """The user turns of every Spec-Bench question (empty if the file is not there)."""
-    if path is None or not Path(path).is_file():
+    """The user turns of every Spec-Bench question in `path` (None: none to keep out)."""
+    if path is None:
         return set()
+    if not Path(path).is_file():
+        raise SpecdecError(f"questions file {path} not found", "pass --questions PATH (Spec-Bench's question.jsonl)")
     from specdec.spec_bench import load_spec_bench
 
     return {_text_of(p.messages) for p in load_spec_bench(path)}
