@@ -287,3 +287,26 @@ def test_adaptive_cut_keeps_what_pays_for_its_verification():
         Draft(tokens=np.array([5]), confidence=np.array([1.5]))
     with pytest.raises(ValueError, match="one value per token"):
         Draft(tokens=np.array([5, 6]), confidence=np.array([0.5]))
+
+
+@pytest.mark.parametrize("probing", [True, False])
+def test_adaptive_cut_recovers_from_costs_timed_on_a_busy_machine(monkeypatch, probing):
+    """Kept costs that make every draft look too dear (2-token step at 4x its real cost) are timed again now and
+    then, and the policy comes to draft; without the probes it never would."""
+    import specdec.runtime.draft_len as draft_len
+    from specdec.runtime.drafters.base import Draft
+
+    if not probing:
+        monkeypatch.setattr(draft_len, "PROBE_STALE_ROUNDS", 10 ** 9)
+    real = [0.020, 0.022, 0.023, 0.024, 0.026]
+    policy = draft_len.AdaptiveDraftLen(verify_s=[0.020, 0.080, 0.085, 0.090, 0.095], draft_s=0.0)
+    draft = Draft(tokens=np.array([5, 6, 7, 8]), confidence=np.array([0.8, 0.8, 0.8, 0.8]))
+    kept = []
+    for _ in range(200):
+        d = policy.cut(draft).k
+        policy.update(d, d, verify_s=real[d], source="corpus")
+        kept.append(d)
+    if probing:
+        assert sum(kept[-50:]) >= 100 and policy.verify_s[1] < 0.03  # drafting, at the costs it measured
+    else:
+        assert sum(kept) == 0 and policy.verify_s[1] == 0.080

@@ -22,7 +22,7 @@ from specdec.export.graph import (CONTROL_INPUTS, DecoderWeights, build_decoder_
 from specdec.export.layerskip import LayerSkipConfig
 from specdec.export.verify import check_logits, measure_min_step_tokens
 from specdec.quant.weight_only import FAST_TARGET_PRESETS, SELF_DRAFT_PRESETS, TARGET_PRESETS, quantize_weights
-from specdec.runtime.manifest import (ATTENTION_BIAS, LOGITS_ROWS, MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
+from specdec.runtime.manifest import (ARGMAX_ROWS, ATTENTION_BIAS, LOGITS_ROWS, MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
                                       read_manifest, sha256_file)
 from specdec.runtime.tokenizer import vocab_digest
 
@@ -121,11 +121,13 @@ def bundle_files(folder: Path) -> dict[str, str]:
 
 
 def _graph_spec(file: str, cfg: ModelConfig, precision: str, n_layers: int, hidden: tuple[int, ...] = (),
-                quant: dict | None = None, tree: bool = False, target: bool = False) -> GraphSpec:
-    """`target`: the bundle's target graph, with the `argmax` output and the `logits_rows` input."""
+                quant: dict | None = None, tree: bool = False, target: bool = False,
+                exact_argmax: bool = False) -> GraphSpec:
+    """`target`: the bundle's target graph, with the `argmax` output and the `logits_rows` input (and, with
+    `exact_argmax`, the `argmax_rows` input)."""
     return GraphSpec(file=file, model=cfg, precision=precision, n_layers=n_layers,
                      inputs=CONTROL_INPUTS + ((ATTENTION_BIAS,) if tree else ()) + ((LOGITS_ROWS,) if target else ())
-                     + tuple(kv_input_names(n_layers)),
+                     + ((ARGMAX_ROWS,) if exact_argmax else ()) + tuple(kv_input_names(n_layers)),
                      outputs=("logits", *(("argmax",) if target else ()), *kv_output_names(n_layers),
                               *(f"hidden.{t}" for t in hidden)),
                      hidden_layers=hidden, quant=quant or {})
@@ -193,12 +195,16 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         graphs: dict[str, GraphSpec] = {}
 
         step(f"writing target graph ({cfg.precision})")
+        # fp32 greedy steps take their argmax from the 8-bit copy of the head (export/exact_argmax.py); quantized
+        # targets read a quantized head anyway, and fp16 graphs run on GPUs, where the head is not the bottleneck.
+        exact_argmax = cfg.precision == "fp32"
         save_graph(target_graph(model_cfg, weights, cfg.precision, fast_kernels=cfg.fast_kernels, hidden_layers=taps,
-                                tree=tree, argmax=True, logits_rows=True), partial / "target.onnx")
+                                tree=tree, argmax=True, logits_rows=True, exact_argmax=exact_argmax),
+                   partial / "target.onnx")
         presets = FAST_TARGET_PRESETS if cfg.fast_kernels else TARGET_PRESETS
         quant = presets[cfg.precision].to_dict() if cfg.precision in presets else None
         graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, hidden=taps, tree=tree, quant=quant,
-                                       target=True)
+                                       target=True, exact_argmax=exact_argmax)
         step("checking target graph against transformers")
         check = check_logits(source.model, partial / "target.onnx", graphs["target"])
         if not check.passes(cfg.precision):

@@ -26,7 +26,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specdec.runtime.manifest import ATTENTION_BIAS, FEATURES, LOGITS_ROWS, ModelConfig
+from specdec.export.exact_argmax import add_exact_argmax
+from specdec.runtime.manifest import ARGMAX_ROWS, ATTENTION_BIAS, FEATURES, LOGITS_ROWS, ModelConfig
 
 OPSET = 17
 MS = "com.microsoft"
@@ -165,7 +166,8 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
                         n_layers: int | None = None, dtype=np.float32, first_layer: int = 0,
                         logits: bool = True, features: FeatureEntry | None = None,
                         head_vocab: np.ndarray | None = None, tree: bool = False,
-                        argmax: bool = False, logits_rows: bool = False) -> onnx.ModelProto:
+                        argmax: bool = False, logits_rows: bool = False,
+                        exact_argmax: bool = False) -> onnx.ModelProto:
     """Write the decoder as ONNX: layers [first_layer, n_layers), then (if `logits`) final norm and LM head.
 
     `n_layers` < cfg.n_layers keeps only the first layers (early exit); `first_layer` > 0 starts from the
@@ -181,9 +183,14 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     `logits_rows` adds the input `logits_rows` [R] int64, the step positions that get logits (and argmax): outputs
     [B,R,...]. A prefill chunk needs its last row only, and the LM head is ~a fifth of the model's weights. (A
     Gather, not a Slice: its indices are data, not a shape, which TensorRT builds without shape profiles.)
+    `exact_argmax` (fp32, with argmax and logits_rows) adds the input `argmax_rows` [A] int64 and computes the
+    `argmax` output [B,A] for those positions from 8-bit scores and a proven error bound (export/exact_argmax.py):
+    greedy steps read a quarter of the head's bytes and ask logits_rows for no row.
     """
     if (argmax or logits_rows) and not logits:
         raise ValueError("argmax and logits_rows need the logits")
+    if exact_argmax and not (argmax and logits_rows and head_vocab is None and np.dtype(dtype) == np.float32):
+        raise ValueError("exact_argmax needs an fp32 graph with argmax and logits_rows over the whole vocabulary")
     if np.dtype(dtype) not in [np.dtype(t) for t in GRAPH_DTYPES.values()]:
         raise ValueError(f"graph dtype must be float32 or float16, got {np.dtype(dtype)}")
     n_layers = cfg.n_layers if n_layers is None else n_layers
@@ -266,10 +273,11 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         normed, _, _, residual = b.op("SkipSimplifiedLayerNormalization",
                                       [pending, residual, b.init("final_norm", w.final_norm)], n_out=4,
                                       domain=MS, name="final_norm", epsilon=eps)  # [B,T,D]
-        if logits_rows:
-            normed = b.op("Gather", [normed, LOGITS_ROWS], name="logits_rows", axis=1)[0]  # [B,R,D]
-        b.op("MatMul", [normed, head], outputs=["logits"], name="lm_head")  # [B,R,V] (R = T without logits_rows)
-        if argmax:
+        if exact_argmax:
+            add_exact_argmax(b, normed, head, w.embed.T if w.lm_head is None else w.lm_head)  # [B,A]
+        rows = b.op("Gather", [normed, LOGITS_ROWS], name="logits_rows", axis=1)[0] if logits_rows else normed
+        b.op("MatMul", [rows, head], outputs=["logits"], name="lm_head")  # [B,R,V] (R = T without logits_rows)
+        if argmax and not exact_argmax:
             b.op("ArgMax", ["logits"], outputs=["argmax"], name="argmax", axis=-1, keepdims=0)  # [B,T]
     else:  # one fp32 add, bit for bit the sum the next layer's SkipSimplifiedLayerNormalization forms
         residual = b.op("Add", [pending, residual], name="residual_out")[0]  # [B,T,D]
@@ -288,6 +296,7 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         *([helper.make_tensor_value_info(FEATURES, float_type, ["batch", "seq", D])] if features is not None else []),
         *([helper.make_tensor_value_info(ATTENTION_BIAS, float_type, ["batch", 1, "seq", "total"])] if tree else []),
         *([helper.make_tensor_value_info(LOGITS_ROWS, TensorProto.INT64, ["rows"])] if logits_rows else []),
+        *([helper.make_tensor_value_info(ARGMAX_ROWS, TensorProto.INT64, ["argmax_rows"])] if exact_argmax else []),
         helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
@@ -295,7 +304,8 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     ] + [helper.make_tensor_value_info(n, float_type, kv_shape) for n in kv_input_names(n_layers, first_layer)]
     rows = "rows" if logits_rows else "seq"
     outputs = [helper.make_tensor_value_info("logits", float_type, ["batch", rows, cfg.vocab_size])] if logits else []
-    outputs += [helper.make_tensor_value_info("argmax", TensorProto.INT64, ["batch", rows])] if argmax else []
+    outputs += [helper.make_tensor_value_info("argmax", TensorProto.INT64, ["batch", "argmax_rows" if exact_argmax else rows])] \
+        if argmax else []
     outputs += [helper.make_tensor_value_info(n, float_type, kv_shape) for n in kv_output_names(n_layers, first_layer)]
     outputs += tap_outputs
     graph = helper.make_graph(b.nodes, "specdec_decoder", inputs, outputs, initializer=b.inits)

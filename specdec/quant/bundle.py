@@ -10,12 +10,13 @@ import onnx
 
 from specdec.errors import SpecdecError
 from specdec.export.bundle import SPLIT_TOLERANCE, bundle_files, staged_folder
+from specdec.export.exact_argmax import strip_exact_argmax
 from specdec.export.graph import save_graph, save_graph_sharing
 from specdec.export.verify import check_against_graph, measure_min_step_tokens
 from specdec.quant.calibration import CalibrationConfig, calibration_sequences
 from specdec.quant.weight_only import (FAST_TARGET_PRESETS, TARGET_PRESETS, gather_from_codes, head_codes,
                                         quantize_weights)
-from specdec.runtime.manifest import MANIFEST_NAME, SPLIT_GRAPHS, read_manifest
+from specdec.runtime.manifest import ARGMAX_ROWS, MANIFEST_NAME, SPLIT_GRAPHS, read_manifest
 
 
 QUANTIZE_PRECISIONS = ("fp16", *TARGET_PRESETS)
@@ -120,14 +121,17 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
             (partial / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / rel, partial / rel)
         step(f"writing target graph ({precision}{', ' + cfg.method if cfg else ''})")
-        target_model = convert(_load_with_weights(src / g.file))
+        # The exact-argmax path gathers the fp32 head's columns, which quantization replaces: the quantized target
+        # takes its argmax from its own (quantized) logits.
+        target_model = convert(strip_exact_argmax(_load_with_weights(src / g.file)))
         # A target that gathers its embedding from its head's codes: the graphs reading its weights do too, so the
         # tied matrix is stored once for all of them (else each would keep an fp32 copy of its own).
         codes = head_codes(target_model) if any(n.op_type == "GatherBlockQuantized"
                                                   for n in target_model.graph.node) else None
         save_graph(target_model, partial / g.file)
         del target_model
-        target = replace(g, precision=precision, quant=cfg.to_dict() if cfg else {}, checks={})
+        target = replace(g, precision=precision, quant=cfg.to_dict() if cfg else {}, checks={},
+                         inputs=tuple(i for i in g.inputs if i != ARGMAX_ROWS))
         if cfg is not None and not cfg.t_invariant:
             step("measuring the fast kernels' step-width invariance")
             min_step_tokens, checks = measure_min_step_tokens(partial / g.file, target)

@@ -64,6 +64,8 @@ def decoder_feeds(model: onnx.ModelProto, ids: np.ndarray) -> dict[str, np.ndarr
             feeds[name] = np.array([n], dtype=np.int32)
         elif name == "logits_rows":
             feeds[name] = np.arange(n, dtype=np.int64)  # logits of every position
+        elif name == "argmax_rows":
+            feeds[name] = np.zeros(0, dtype=np.int64)  # calibration reads activations, not the argmax
         elif name == "attention_bias":
             feeds[name] = np.zeros((1, 1, n, n), dtype=float_type)
         elif name.startswith("past."):

@@ -54,7 +54,7 @@ from specdec.runtime.decoder import MAX_STEP, Decoder
 from specdec.runtime.draft_len import (ACCEPT_EMA, ACCEPT_PRIOR, AdaptiveDraftLen, DraftLenPolicy, choose_policy,
                                        median_seconds)
 from specdec.runtime.drafters.base import Draft
-from specdec.runtime.manifest import ATTENTION_BIAS, LOGITS_ROWS
+from specdec.runtime.manifest import ARGMAX_ROWS, ATTENTION_BIAS, LOGITS_ROWS
 from specdec.runtime.drafters.draft_model import CONFIDENCE_STOP, draft_confidence
 from specdec.runtime.drafters.corpus import CorpusDrafter
 from specdec.runtime.drafters.ngram import NgramDrafter
@@ -98,7 +98,9 @@ class _RowBinding:
         if T not in self._views:
             m = self.decoder.model
             views = [("logits", self._logits[: T * m.vocab_size].reshape(1, T, m.vocab_size))]
-            views += [("argmax", self._argmax[:T].reshape(1, T))] if self.decoder.spec.has_argmax else []
+            # The rows read logits; a graph that computes its argmax without them (argmax_rows) is asked for none.
+            choices = 0 if self.decoder.spec.has_argmax_rows else T
+            views += [("argmax", self._argmax[:choices].reshape(1, choices))] if self.decoder.spec.has_argmax else []
             views += [(f"hidden.{t}", b[: T * m.hidden_size].reshape(1, T, m.hidden_size))
                       for t, b in self._hidden.items()]
             self._views[T] = [(n, v, ort.OrtValue.ortvalue_from_numpy(v)) for n, v in views]
@@ -123,6 +125,8 @@ class _RowBinding:
             b.bind_cpu_input(ATTENTION_BIAS, np.zeros((1, 1, T, length + T), dtype=self.decoder.bias_dtype))
         if self.decoder.spec.has_logits_rows:
             b.bind_cpu_input(LOGITS_ROWS, np.arange(T, dtype=np.int64))  # every position's logits
+        if self.decoder.spec.has_argmax_rows:
+            b.bind_cpu_input(ARGMAX_ROWS, np.zeros(0, dtype=np.int64))
         for name, _, value in self._outputs(T):
             b.bind_ortvalue_output(name, value)
         self.decoder.session.run_with_iobinding(b)

@@ -18,7 +18,8 @@ import onnxruntime as ort
 
 from specdec.errors import SpecdecError
 from specdec.runtime.kv import KVCache
-from specdec.runtime.manifest import ATTENTION_BIAS, FEATURES, GPU_PRECISIONS, LOGITS_ROWS, GraphSpec, ModelConfig
+from specdec.runtime.manifest import (ARGMAX_ROWS, ATTENTION_BIAS, FEATURES, GPU_PRECISIONS, LOGITS_ROWS, GraphSpec,
+                                      ModelConfig)
 from specdec.runtime.session import RuntimeOptions, make_session
 from specdec.runtime.trt_engines import claim_engine_cache
 
@@ -30,6 +31,7 @@ MAX_STEP = 64
 # nearer the CPU's peak (768 prompt tokens: 1,147 ms in chunks of 64, 1,043 in 128, 1,014 in 256; fp32, 2 cores),
 # and no logits buffer grows with the chunk (K/V and taps: a few MB).
 PREFILL_CHUNK = 256
+_NO_ROWS = np.zeros(0, dtype=np.int64)  # logits_rows / argmax_rows of a step that wants none
 _FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
@@ -136,17 +138,20 @@ class Decoder:
         """Rows [start, stop) of a kept tap: [stop-start, hidden] (a view; valid below kv.lengths[0])."""
         return self._tap_store[tap][start:stop]
 
-    def _outputs_for(self, T: int, rows: int) -> list[tuple[str, np.ndarray, ort.OrtValue]]:
-        """Output buffers of a step of T positions whose last `rows` get logits (and argmax); logits first."""
-        if (T, rows) not in self._out_views:
+    def _outputs_for(self, T: int, rows: int, choice_rows: int | None = None) -> list[tuple[str, np.ndarray, ort.OrtValue]]:
+        """Output buffers of a step of T positions whose last `rows` get logits and `choice_rows` (default: the same)
+        an argmax; logits first."""
+        choice_rows = rows if choice_rows is None else choice_rows
+        key = (T, rows, choice_rows)
+        if key not in self._out_views:
             B = self.kv.batch
             views = [] if self._logits is None else \
                 [("logits", self._logits[: B * rows * self.model.vocab_size].reshape(B, rows, self.model.vocab_size))]
             views += [(f"hidden.{t}", buf[: B * T * self.model.hidden_size].reshape(B, T, self.model.hidden_size))
                       for t, buf in self._hidden.items()]
-            views += [("argmax", self._argmax[: B * rows].reshape(B, rows))] if self.spec.has_argmax else []
-            self._out_views[(T, rows)] = [(n, v, ort.OrtValue.ortvalue_from_numpy(v)) for n, v in views]
-        return self._out_views[(T, rows)]
+            views += [("argmax", self._argmax[: B * choice_rows].reshape(B, choice_rows))] if self.spec.has_argmax else []
+            self._out_views[key] = [(n, v, ort.OrtValue.ortvalue_from_numpy(v)) for n, v in views]
+        return self._out_views[key]
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray | None = None,
                 query_lens: np.ndarray | None = None, features: np.ndarray | None = None,
@@ -177,15 +182,18 @@ class Decoder:
         logits [B,T] int64 (a reused buffer). A graph with an `argmax` output computes it where the logits are."""
         if not self.spec.has_argmax:
             return np.argmax(self.forward(tokens, positions, bias=bias), axis=-1)
-        B, T = self._run(tokens, positions, bias=bias)
+        B, T = self._run(tokens, positions, bias=bias, choices_only=True)
         return self._argmax[: B * self._T_run].reshape(B, self._T_run)[:, :T]
 
     def _run(self, tokens: np.ndarray, positions: np.ndarray | None,
              query_lens: np.ndarray | None = None, features: np.ndarray | None = None,
-             bias: np.ndarray | None = None, last_rows: int | None = None) -> tuple[int, int]:
+             bias: np.ndarray | None = None, last_rows: int | None = None,
+             choices_only: bool = False) -> tuple[int, int]:
         """Run a step; `last_rows`: logits for the step's last rows only (graphs with spec.has_logits_rows; the
-        others compute all T and the caller reads the rows it wants). Returns (B, T) of the real step; a step
-        padded to spec.min_step_tokens ran at self._T_run >= T positions, its real ones first."""
+        others compute all T and the caller reads the rows it wants). `choices_only`: the caller reads the argmax
+        of every row and no logits (a graph with spec.has_argmax_rows then computes no logits row). Returns (B, T)
+        of the real step; a step padded to spec.min_step_tokens ran at self._T_run >= T positions, its real ones
+        first."""
         B, T = tokens.shape[:2]
         if T > self.max_step or (last_rows or T) > MAX_STEP:
             raise ValueError(f"step of {T} tokens with logits for {last_rows or T} exceeds this graph's widest step "
@@ -207,6 +215,10 @@ class Decoder:
         self._T_run = T
         if rows_idx is None:
             rows_idx = np.arange(T, dtype=np.int64)
+        choice_rows = None
+        if self.spec.has_argmax_rows:  # the argmax without logits, or logits without the argmax
+            choice_idx, rows_idx = (rows_idx, _NO_ROWS) if choices_only else (_NO_ROWS, rows_idx)
+            choice_rows = len(choice_idx)
         rows = len(rows_idx)
         b = self.binding
         b.bind_cpu_input(self.spec.entry, np.ascontiguousarray(tokens, dtype=self._entry_dtype))
@@ -228,7 +240,9 @@ class Decoder:
             b.bind_cpu_input(ATTENTION_BIAS, np.ascontiguousarray(bias, dtype=self.bias_dtype))
         if self.spec.has_logits_rows:
             b.bind_cpu_input(LOGITS_ROWS, rows_idx)
-        for name, _, value in self._outputs_for(T, rows):
+        if self.spec.has_argmax_rows:
+            b.bind_cpu_input(ARGMAX_ROWS, choice_idx)
+        for name, _, value in self._outputs_for(T, rows, choice_rows):
             b.bind_ortvalue_output(name, value)
         if self.device_logits:
             b.bind_output("logits", self._where[0], self._where[1], self._logits_dtype,

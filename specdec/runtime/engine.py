@@ -283,7 +283,10 @@ class Engine:
         """
         kv = self.target.kv
         widths = range(1, min(AUTO_K_MAX + 1, kv.max_len - int(kv.lengths[0])) + 1)
-        verify = [median_seconds(lambda t=t: self.target.forward(np.zeros((1, t), dtype=np.int64))) for t in widths]
+        # Timed as greedy steps (the default; an fp32 target's greedy step reads no logits, export/exact_argmax.py):
+        # sampled rounds correct them as they run.
+        verify = [median_seconds(lambda t=t: self.target.forward_choices(np.zeros((1, t), dtype=np.int64)))
+                  for t in widths]
         draft = 0.0  # an n-gram lookup is microseconds against milliseconds of a forward
         model = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
         if isinstance(model, ModelDrafter):

@@ -26,6 +26,7 @@ DRAFTER_KINDS = ("none", "ngram", "model", "layerskip", "eagle", "medusa")
 FEATURES = "features"  # an EAGLE head graph's input: the residual stream it drafts from
 ATTENTION_BIAS = "attention_bias"  # a tree-verifying graph's input: additive attention mask [B,1,T,P+T]
 LOGITS_ROWS = "logits_rows"  # target graphs: the step positions that get logits [R] (prefill: the last)
+ARGMAX_ROWS = "argmax_rows"  # fp32 targets: the step positions whose argmax comes from 8-bit scores (export/exact_argmax)
 # GraphSpec.min_step_tokens above this is no kernel's need; padding every step to it would only waste work.
 MAX_MIN_STEP_TOKENS = 8
 
@@ -117,6 +118,8 @@ class GraphSpec:
                  f"graph {self.file}: activations must be fp32 or fp16, got {self.activations!r}")
         _require(0 <= self.first_layer < self.n_layers,
                  f"graph {self.file}: first_layer must be in 0..{self.n_layers - 1}, got {self.first_layer}")
+        _require(not self.has_argmax_rows or (self.has_argmax and self.has_logits_rows),
+                 f"graph {self.file}: an argmax_rows input needs the argmax output and the logits_rows input")
         _require(isinstance(self.min_step_tokens, int) and 1 <= self.min_step_tokens <= MAX_MIN_STEP_TOKENS,
                  f"graph {self.file}: min_step_tokens must be an integer in 1..{MAX_MIN_STEP_TOKENS}, "
                  f"got {self.min_step_tokens!r}")
@@ -129,6 +132,12 @@ class GraphSpec:
     def has_logits_rows(self) -> bool:
         """Whether the graph computes logits only for the step positions it is given (input `logits_rows`)."""
         return LOGITS_ROWS in self.inputs
+
+    @property
+    def has_argmax_rows(self) -> bool:
+        """Whether the graph's argmax covers the positions it is given (input `argmax_rows`), computed without its
+        logits (export/exact_argmax.py): a greedy step then asks for no logits row."""
+        return ARGMAX_ROWS in self.inputs
 
     @property
     def has_argmax(self) -> bool:

@@ -1,0 +1,122 @@
+"""The greedy argmax of fp32 targets from 8-bit scores and a proven bound (export/exact_argmax.py)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from specdec.export.exact_argmax import PREFIX, add_exact_argmax, head_codes
+from specdec.export.graph import _Builder
+from specdec.runtime.manifest import ARGMAX_ROWS, read_manifest
+from specdec.runtime.session import pooled_session_options
+
+
+def _head_session(head: np.ndarray) -> ort.InferenceSession:
+    """A graph of the head alone: normed [B,T,D] -> argmax [B,A] (exact path) and logits [B,T,V] (MatMul)."""
+    D, V = head.shape
+    b = _Builder(np.float32)
+    name = b.init("lm_head.weight", head)
+    add_exact_argmax(b, "normed", name, head)
+    b.op("MatMul", ["normed", name], outputs=["logits"], name="lm_head")
+    g = helper.make_graph(b.nodes, "head", [helper.make_tensor_value_info("normed", TensorProto.FLOAT, ["B", "T", D]),
+                                            helper.make_tensor_value_info(ARGMAX_ROWS, TensorProto.INT64, ["A"])],
+                          [helper.make_tensor_value_info("argmax", TensorProto.INT64, ["B", "A"]),
+                           helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "T", V])], b.inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    return ort.InferenceSession(model.SerializeToString(), sess_options=pooled_session_options(),
+                                providers=["CPUExecutionProvider"])
+
+
+def _near_ties(rng, D=48, V=400, pairs=60):
+    """A head whose columns come in pairs a hair apart, and hidden states aimed between them: the 8-bit scores
+    then often rank a pair the wrong way round, and only the exact stage can tell them apart."""
+    head = rng.standard_normal((D, V)).astype(np.float32) * np.exp(rng.uniform(-1, 1, V)).astype(np.float32)
+    twins = rng.choice(V, size=(pairs, 2), replace=False)
+    head[:, twins[:, 1]] = head[:, twins[:, 0]] + rng.standard_normal((D, pairs)).astype(np.float32) * 1e-3
+    aims = head[:, twins[:, 0]].T * 3 + rng.standard_normal((pairs, D)).astype(np.float32) * 0.1  # [pairs, D]
+    return head, aims
+
+
+def test_head_codes_round_each_column_within_half_a_step():
+    head = np.random.default_rng(0).standard_normal((32, 50)).astype(np.float32)
+    head[:, 7] = 0.0  # an all-zero column keeps a finite scale
+    codes, scales, col_l1 = head_codes(head)
+    assert codes.dtype == np.int8 and np.abs(codes.astype(int)).max() <= 127 and np.isfinite(scales).all()
+    assert np.all(np.abs(codes * scales - head) <= scales / 2 + 1e-7)
+    np.testing.assert_allclose(col_l1, np.abs(head).sum(0), rtol=1e-6)
+
+
+def test_argmax_equals_the_full_logits_argmax_where_8_bit_scores_alone_would_not():
+    rng = np.random.default_rng(1)
+    head, aims = _near_ties(rng)
+    sess = _head_session(head)
+    codes, scales, _ = head_codes(head)
+    wrong_by_scores = mismatches = 0
+    for batch in (1, 2):
+        for start in range(0, len(aims) - 5, 5):
+            T = 1 + start % 5
+            normed = np.stack([aims[start:start + T] * (1 + b) for b in range(batch)]).astype(np.float32)  # [B,T,D]
+            rows = np.arange(T, dtype=np.int64)
+            argmax, logits = sess.run(None, {"normed": normed, ARGMAX_ROWS: rows})
+            assert argmax.shape == (batch, T)
+            mismatches += int((argmax != logits.argmax(-1)).sum())
+            wrong_by_scores += int(((normed @ (codes * scales)).argmax(-1) != logits.argmax(-1)).sum())
+    assert mismatches == 0
+    assert wrong_by_scores > 0  # the data does exercise the exact stage
+
+
+def test_any_subset_of_rows_and_none():
+    rng = np.random.default_rng(2)
+    head = rng.standard_normal((16, 90)).astype(np.float32)
+    sess = _head_session(head)
+    normed = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    argmax, logits = sess.run(None, {"normed": normed, ARGMAX_ROWS: np.array([4, 1], dtype=np.int64)})
+    np.testing.assert_array_equal(argmax, logits.argmax(-1)[:, [4, 1]])
+    argmax, _ = sess.run(None, {"normed": normed, ARGMAX_ROWS: np.zeros(0, dtype=np.int64)})
+    assert argmax.shape == (2, 0)
+    zeros = np.zeros((1, 3, 16), dtype=np.float32)  # all-zero rows: every logit ties at 0, numpy picks token 0
+    argmax, _ = sess.run(None, {"normed": zeros, ARGMAX_ROWS: np.arange(3, dtype=np.int64)})
+    np.testing.assert_array_equal(argmax, [[0, 0, 0]])
+
+
+def test_fp32_target_takes_greedy_choices_from_the_exact_path(tiny_bundle):
+    """The exported fp32 target has the path; its choices equal its logits' argmax at every step width, and a
+    greedy step asks for no logits row."""
+    import specdec
+
+    spec = read_manifest(tiny_bundle).graphs["target"]
+    assert spec.has_argmax_rows
+    engine = specdec.load(tiny_bundle, drafter="none")
+    target = engine.target
+    ids = np.random.default_rng(3).integers(0, spec.model.vocab_size, size=(1, 12))
+    target.prefill(ids)
+    for T in (1, 2, 3, 5):
+        step = np.random.default_rng(T).integers(0, spec.model.vocab_size, size=(1, T))
+        choices = target.forward_choices(step).copy()
+        assert target._outputs_for(T, 0, T)[0][1].shape[1] == 0  # no logits row was computed
+        np.testing.assert_array_equal(choices, target.forward(step).argmax(-1))
+
+
+def test_quantize_takes_the_argmax_from_its_own_logits_again(tiny_bundle, tmp_path):
+    from specdec.quant.bundle import quantize_bundle
+
+    out = quantize_bundle(tiny_bundle, tmp_path / "int8", "int8")
+    spec = read_manifest(out).graphs["target"]
+    assert not spec.has_argmax_rows and spec.has_argmax
+    model = onnx.load(str(out / spec.file), load_external_data=False)
+    assert not any(n.name.startswith(PREFIX) for n in model.graph.node)
+    assert not any(t.name.startswith(PREFIX) for t in model.graph.initializer)
+
+
+@pytest.mark.parametrize("bad", ["no_logits_rows", "no_argmax"])
+def test_manifest_refuses_argmax_rows_without_what_they_need(tiny_bundle, bad):
+    from dataclasses import replace
+
+    spec = read_manifest(tiny_bundle).graphs["target"]
+    drop = "logits_rows" if bad == "no_logits_rows" else None
+    with pytest.raises(ValueError, match="argmax_rows"):
+        replace(spec, inputs=tuple(i for i in spec.inputs if i != drop),
+                outputs=tuple(o for o in spec.outputs if o != ("argmax" if bad == "no_argmax" else None)))
