@@ -100,15 +100,25 @@ def test_fp32_target_takes_greedy_choices_from_the_exact_path(tiny_bundle):
         np.testing.assert_array_equal(choices, target.forward(step).argmax(-1))
 
 
-def test_quantize_takes_the_argmax_from_its_own_logits_again(tiny_bundle, tmp_path):
+@pytest.mark.parametrize("precision,keeps", [("int8", False), ("int4", True), ("fp16", False)])
+def test_quantize_keeps_the_path_only_while_the_head_stays_fp32(tiny_bundle, tmp_path, monkeypatch, precision, keeps):
+    """int8 quantizes the head (and fp16 rounds it): their argmax comes from their own logits again. The default
+    int4 (the GGUF's 4-bit layers exactly) keeps an fp32 head, and the path, whose choices still match its logits."""
+    import specdec
     from specdec.quant.bundle import quantize_bundle
 
-    out = quantize_bundle(tiny_bundle, tmp_path / "int8", "int8")
+    monkeypatch.setenv("SPECDEC_ALLOW_CPU_FP16", "1")
+    out = quantize_bundle(tiny_bundle, tmp_path / precision, precision)
     spec = read_manifest(out).graphs["target"]
-    assert not spec.has_argmax_rows and spec.has_argmax
+    assert spec.has_argmax_rows == keeps and spec.has_argmax
     model = onnx.load(str(out / spec.file), load_external_data=False)
-    assert not any(n.name.startswith(PREFIX) for n in model.graph.node)
-    assert not any(t.name.startswith(PREFIX) for t in model.graph.initializer)
+    assert any(n.name.startswith(PREFIX) for n in model.graph.node) == keeps
+    assert any(t.name.startswith(PREFIX) for t in model.graph.initializer) == keeps
+    target = specdec.load(out, drafter="none").target
+    target.prefill(np.arange(1, 9, dtype=np.int64)[None])
+    step = np.array([[5, 9, 2]], dtype=np.int64)
+    choices = target.forward_choices(step).copy()
+    np.testing.assert_array_equal(choices, target.forward(step).argmax(-1))
 
 
 @pytest.mark.parametrize("bad", ["no_logits_rows", "no_argmax"])

@@ -195,13 +195,15 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         graphs: dict[str, GraphSpec] = {}
 
         step(f"writing target graph ({cfg.precision})")
-        # fp32 greedy steps take their argmax from the 8-bit copy of the head (export/exact_argmax.py); quantized
-        # targets read a quantized head anyway, and fp16 graphs run on GPUs, where the head is not the bottleneck.
-        exact_argmax = cfg.precision == "fp32"
+        presets = FAST_TARGET_PRESETS if cfg.fast_kernels else TARGET_PRESETS
+        # Greedy steps of a target whose LM head is fp32 take their argmax from an 8-bit copy of it
+        # (export/exact_argmax.py); a quantized head is read whole anyway, and fp16 graphs run on GPUs, where the head
+        # is not what bounds a step.
+        exact_argmax = cfg.precision == "fp32" or (cfg.precision in presets and
+                                                   not presets[cfg.precision].quantizes_head)
         save_graph(target_graph(model_cfg, weights, cfg.precision, fast_kernels=cfg.fast_kernels, hidden_layers=taps,
                                 tree=tree, argmax=True, logits_rows=True, exact_argmax=exact_argmax),
                    partial / "target.onnx")
-        presets = FAST_TARGET_PRESETS if cfg.fast_kernels else TARGET_PRESETS
         quant = presets[cfg.precision].to_dict() if cfg.precision in presets else None
         graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, hidden=taps, tree=tree, quant=quant,
                                        target=True, exact_argmax=exact_argmax)

@@ -121,9 +121,11 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
             (partial / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / rel, partial / rel)
         step(f"writing target graph ({precision}{', ' + cfg.method if cfg else ''})")
-        # The exact-argmax path gathers the fp32 head's columns, which quantization replaces: the quantized target
-        # takes its argmax from its own (quantized) logits.
-        target_model = convert(strip_exact_argmax(_load_with_weights(src / g.file)))
+        # The exact-argmax path gathers the fp32 head's columns: a target whose head is quantized (or fp16) takes
+        # its argmax from its own logits again; one whose head stays fp32 keeps the path.
+        keeps_argmax_path = cfg is not None and not cfg.quantizes_head
+        target_model = _load_with_weights(src / g.file)
+        target_model = convert(target_model if keeps_argmax_path else strip_exact_argmax(target_model))
         # A target that gathers its embedding from its head's codes: the graphs reading its weights do too, so the
         # tied matrix is stored once for all of them (else each would keep an fp32 copy of its own).
         codes = head_codes(target_model) if any(n.op_type == "GatherBlockQuantized"
@@ -131,7 +133,7 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
         save_graph(target_model, partial / g.file)
         del target_model
         target = replace(g, precision=precision, quant=cfg.to_dict() if cfg else {}, checks={},
-                         inputs=tuple(i for i in g.inputs if i != ARGMAX_ROWS))
+                         inputs=tuple(i for i in g.inputs if keeps_argmax_path or i != ARGMAX_ROWS))
         if cfg is not None and not cfg.t_invariant:
             step("measuring the fast kernels' step-width invariance")
             min_step_tokens, checks = measure_min_step_tokens(partial / g.file, target)
