@@ -310,3 +310,23 @@ def test_adaptive_cut_recovers_from_costs_timed_on_a_busy_machine(monkeypatch, p
         assert sum(kept[-50:]) >= 100 and policy.verify_s[1] < 0.03  # drafting, at the costs it measured
     else:
         assert sum(kept) == 0 and policy.verify_s[1] == 0.080
+
+
+@pytest.mark.parametrize("probing", [True, False])
+def test_adaptive_length_recovers_from_stale_costs_without_confidences(monkeypatch, probing):
+    """The same for a source whose drafts carry no confidences (the length comes from its acceptance rate)."""
+    import specdec.runtime.draft_len as draft_len
+
+    if not probing:
+        monkeypatch.setattr(draft_len, "PROBE_STALE_ROUNDS", 10 ** 9)
+    real = [0.020, 0.022, 0.023, 0.024, 0.026]
+    policy = draft_len.AdaptiveDraftLen(verify_s=[0.020, 0.021, 0.085, 0.090, 0.095], draft_s=0.0, acceptance=0.8)
+    ks = []
+    for _ in range(300):
+        k = policy.next_k(4, "lookup")
+        policy.update(k, k, verify_s=real[k], source="lookup")  # every drafted token accepted
+        ks.append(k)
+    if probing:
+        assert min(ks[-50:]) >= 3 and max(policy.verify_s[2:]) < 0.03
+    else:
+        assert max(ks) == 1 and policy.verify_s[2] == 0.085

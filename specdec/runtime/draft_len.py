@@ -144,9 +144,13 @@ class AdaptiveDraftLen:
         # some width look like a bargain.
         cost = np.maximum.accumulate(np.asarray(self.verify_s[: len(expected)]))  # [d+1]
         d = int(np.argmax(expected / cost))
-        if d < len(reach) and self._rounds - self._timed.get(d + 1, 0) >= PROBE_STALE_ROUNDS:
-            d += 1  # time the next width again (PROBE_STALE_ROUNDS)
+        if d < len(reach) and self._stale(d + 1):
+            d += 1
         return draft.head(d)
+
+    def _stale(self, k: int) -> bool:
+        """Whether no round has timed a k-token draft's step for PROBE_STALE_ROUNDS rounds (then one should)."""
+        return self._rounds - self._timed.get(k, 0) >= PROBE_STALE_ROUNDS
 
     def next_k(self, limit: int, source: str = "") -> int:
         if source in self._scored:
@@ -162,6 +166,8 @@ class AdaptiveDraftLen:
         est.idle_rounds = est.idle_rounds + 1 if k == 0 else 0
         if est.idle_rounds >= PROBE_EVERY and limit > 0:
             k, est.idle_rounds = 1, 0
+        elif 0 < k < min(self.k_max, limit) and self._stale(k + 1):  # drafting anyway: one token more, now and then
+            k += 1
         self.history.append(k)
         return k
 
