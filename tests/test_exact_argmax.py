@@ -130,3 +130,19 @@ def test_manifest_refuses_argmax_rows_without_what_they_need(tiny_bundle, bad):
     with pytest.raises(ValueError, match="argmax_rows"):
         replace(spec, inputs=tuple(i for i in spec.inputs if i != drop),
                 outputs=tuple(o for o in spec.outputs if o != ("argmax" if bad == "no_argmax" else None)))
+
+
+def test_batched_greedy_rows_read_choices_not_logits(tiny_bundle):
+    """All-greedy batch steps ask the target for choices: equal to its logits' argmax, one row or ragged rows."""
+    from specdec.runtime.batched import BatchedEngine
+
+    dec = BatchedEngine(tiny_bundle, 3, drafter="none").target
+    assert dec.decoder.spec.has_argmax_rows
+    rng = np.random.default_rng(4)
+    for row in range(3):
+        dec.prefill_row(row, rng.integers(3, 200, size=5 + row).tolist())
+    for inputs in ({1: [7, 8, 9]}, {0: [5], 2: [6, 7, 8, 9]}):
+        choices = {r: c.copy() for r, c in dec.forward_rows(inputs, choices_only=True).items()}
+        logits = dec.forward_rows(inputs)
+        for r in inputs:
+            np.testing.assert_array_equal(choices[r], logits[r].argmax(-1))

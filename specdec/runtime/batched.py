@@ -49,7 +49,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specdec.errors import SpecdecError
-from specdec.runtime.acceptance import greedy_accept, speculative_accept
+from specdec.runtime.acceptance import greedy_accept, greedy_accept_choices, speculative_accept
 from specdec.runtime.decoder import MAX_STEP, Decoder
 from specdec.runtime.draft_len import (ACCEPT_EMA, ACCEPT_PRIOR, AdaptiveDraftLen, DraftLenPolicy, choose_policy,
                                        median_seconds)
@@ -94,20 +94,22 @@ class _RowBinding:
         self._argmax = np.empty(MAX_STEP, dtype=np.int64)  # bound because the graph has it; the rows read logits
         self._views: dict[int, list[tuple[str, np.ndarray, ort.OrtValue]]] = {}
 
-    def _outputs(self, T: int) -> list[tuple[str, np.ndarray, ort.OrtValue]]:
-        if T not in self._views:
+    def _outputs(self, T: int, choices_only: bool = False) -> list[tuple[str, np.ndarray, ort.OrtValue]]:
+        # A graph that computes its argmax without logits (argmax_rows) gives either, not both.
+        split = self.decoder.spec.has_argmax_rows
+        rows, choices = (0 if split and choices_only else T), (0 if split and not choices_only else T)
+        if (T, rows, choices) not in self._views:
             m = self.decoder.model
-            views = [("logits", self._logits[: T * m.vocab_size].reshape(1, T, m.vocab_size))]
-            # The rows read logits; a graph that computes its argmax without them (argmax_rows) is asked for none.
-            choices = 0 if self.decoder.spec.has_argmax_rows else T
+            views = [("logits", self._logits[: rows * m.vocab_size].reshape(1, rows, m.vocab_size))]
             views += [("argmax", self._argmax[:choices].reshape(1, choices))] if self.decoder.spec.has_argmax else []
             views += [(f"hidden.{t}", b[: T * m.hidden_size].reshape(1, T, m.hidden_size))
                       for t, b in self._hidden.items()]
-            self._views[T] = [(n, v, ort.OrtValue.ortvalue_from_numpy(v)) for n, v in views]
-        return self._views[T]
+            self._views[(T, rows, choices)] = [(n, v, ort.OrtValue.ortvalue_from_numpy(v)) for n, v in views]
+        return self._views[(T, rows, choices)]
 
-    def forward(self, tokens: Sequence[int]) -> np.ndarray:
-        """Run tokens at the row's length (not advanced); return logits [T, vocab] (a reused buffer)."""
+    def forward(self, tokens: Sequence[int], choices_only: bool = False) -> np.ndarray:
+        """Run tokens at the row's length (not advanced); return logits [T, vocab] (a reused buffer), or with
+        `choices_only` the greedy choices [T] (a graph with argmax_rows then computes no logits)."""
         real_T = len(tokens)
         kv = self.decoder.kv
         kv.check_room(real_T, self.row)
@@ -123,14 +125,19 @@ class _RowBinding:
         b.bind_cpu_input("query_lens", np.array([T], dtype=np.int32))
         if self.decoder.spec.has_tree_bias:  # a tree-capable graph run as a plain causal step
             b.bind_cpu_input(ATTENTION_BIAS, np.zeros((1, 1, T, length + T), dtype=self.decoder.bias_dtype))
+        every, none = np.arange(T, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        split = self.decoder.spec.has_argmax_rows
         if self.decoder.spec.has_logits_rows:
-            b.bind_cpu_input(LOGITS_ROWS, np.arange(T, dtype=np.int64))  # every position's logits
-        if self.decoder.spec.has_argmax_rows:
-            b.bind_cpu_input(ARGMAX_ROWS, np.zeros(0, dtype=np.int64))
-        for name, _, value in self._outputs(T):
+            b.bind_cpu_input(LOGITS_ROWS, none if split and choices_only else every)
+        if split:
+            b.bind_cpu_input(ARGMAX_ROWS, every if choices_only else none)
+        outputs = self._outputs(T, choices_only)
+        for name, _, value in outputs:
             b.bind_ortvalue_output(name, value)
         self.decoder.session.run_with_iobinding(b)
-        return self._outputs(T)[0][1][0, :real_T]
+        if choices_only:
+            return self._argmax[:real_T] if self.decoder.spec.has_argmax else outputs[0][1][0, :real_T].argmax(-1)
+        return outputs[0][1][0, :real_T]
 
 
 class BatchedDecoder:
@@ -148,18 +155,19 @@ class BatchedDecoder:
             hidden = {t: np.empty(MAX_STEP * m.hidden_size, dtype=np.float32) for t in decoder.spec.hidden_layers}
             self.rows = [_RowBinding(decoder, r, logits, hidden) for r in range(self.B)]
 
-    def forward_rows(self, inputs: dict[int, Sequence[int]]) -> dict[int, np.ndarray]:
-        """Run each row's tokens at its length (rows not in `inputs` idle); return each row's logits [q_b, vocab].
+    def forward_rows(self, inputs: dict[int, Sequence[int]], choices_only: bool = False) -> dict[int, np.ndarray]:
+        """Run each row's tokens at its length (rows not in `inputs` idle); return each row's logits [q_b, vocab],
+        or with `choices_only` its greedy choices [q_b] (all rows greedy: a graph with argmax_rows reads no fp32 head).
 
-        Lengths are not advanced. Logits are views of a reused buffer: read them before the next call.
+        Lengths are not advanced. Results are views of a reused buffer: read them before the next call.
         """
         if len(inputs) == 1 and self.rows is not None:  # one row: batch 1, no padded rows through the matmuls
             (r, toks), = inputs.items()
-            return {r: self.rows[r].forward(toks)}
+            return {r: self.rows[r].forward(toks, choices_only)}
         T = max(len(t) for t in inputs.values())
         if len(inputs) > 1 and any(int(self.kv.lengths[r]) + T > self.kv.max_len for r in inputs):
             # The padded width must fit every active row (GQA); near the end of the buffer run rows one by one.
-            return {r: self.forward_rows({r: toks})[r].copy() for r, toks in inputs.items()}
+            return {r: self.forward_rows({r: toks}, choices_only)[r].copy() for r, toks in inputs.items()}
         tokens = np.zeros((self.B, T), dtype=np.int64)  # [B,T]
         q = np.zeros(self.B, dtype=np.int64)  # [B] 0 = idle row
         for r, toks in inputs.items():
@@ -167,6 +175,9 @@ class BatchedDecoder:
             q[r] = len(toks)
         # Padding and idle positions are ignored by the kernel; give them the row's last real position anyway.
         positions = self.kv.lengths[:, None] + np.minimum(np.arange(T), np.maximum(q - 1, 0)[:, None])  # [B,T]
+        if choices_only:
+            choices = self.decoder.forward_choices(tokens, positions, query_lens=q)  # [B,T]
+            return {r: choices[r, :q[r]] for r in inputs}
         logits = self.decoder.forward(tokens, positions, query_lens=q)  # [B,T,vocab]
         return {r: logits[r, :q[r]] for r in inputs}
 
@@ -361,7 +372,8 @@ class BatchedEngine:
         B = self.batch_size
         # A full-batch step of width 9 is B*9 positions (compute-bound): time a few widths, interpolate the rest.
         timed = sorted({t for t in (1, 2, 3, 5, n) if t <= n})
-        steps = {t: (lambda t=t: self.target.decoder.forward(np.zeros((B, t), dtype=np.int64))) for t in timed}
+        # Greedy steps, as the default runs them (no logits from a target with argmax_rows); sampled rows pay more.
+        steps = {t: (lambda t=t: self.target.decoder.forward_choices(np.zeros((B, t), dtype=np.int64))) for t in timed}
         for step in steps.values():  # the first runs of a new session are slow (allocation, page faults): warm all
             step()
         cost = [median_seconds(steps[t]) for t in timed]
@@ -500,15 +512,19 @@ class BatchedEngine:
             drafts.update({r: rows[r].policy.cut(rows[r].drafter.propose(rows[r].context, k)) for r, k in ks.items()
                            if k > 0 and r not in drafts})
         drafts = {r: drafts.get(r, NO_DRAFT) for r in rows}
-        logits = self.target.forward_rows({r: [rows[r].token, *map(int, drafts[r].tokens)] for r in rows})
+        all_greedy = all(row.cfg.sampling.greedy for row in rows.values())
+        out = self.target.forward_rows({r: [rows[r].token, *map(int, drafts[r].tokens)] for r in rows},
+                                       choices_only=all_greedy)  # choices [q_r] or logits [q_r, vocab] per row
         finished = []
         now = time.perf_counter()
         for r, row in rows.items():
             draft = drafts[r]
-            if row.cfg.sampling.greedy:
-                n_accepted, token = greedy_accept(draft.tokens, logits[r])
+            if all_greedy:
+                n_accepted, token = greedy_accept_choices(draft.tokens, out[r])
+            elif row.cfg.sampling.greedy:
+                n_accepted, token = greedy_accept(draft.tokens, out[r])
             else:
-                p_target = probs_from_logits(logits[r], row.cfg.sampling)  # [k+1, vocab]
+                p_target = probs_from_logits(out[r], row.cfg.sampling)  # [k+1, vocab]
                 n_accepted, token = speculative_accept(draft.tokens, draft.p_draft, p_target, row.rng)
             kv.lengths[r] += 1 + n_accepted
             if row.drafter is not None:  # also after a draft cut to nothing: the target's token says if it was right

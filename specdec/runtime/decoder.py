@@ -177,12 +177,12 @@ class Decoder:
         return logits if T_run == T else logits[:, :T]
 
     def forward_choices(self, tokens: np.ndarray, positions: np.ndarray | None = None,
-                        bias: np.ndarray | None = None) -> np.ndarray:
+                        bias: np.ndarray | None = None, query_lens: np.ndarray | None = None) -> np.ndarray:
         """Run a step like forward() and return the target's greedy choice at each position: the argmax of its
         logits [B,T] int64 (a reused buffer). A graph with an `argmax` output computes it where the logits are."""
         if not self.spec.has_argmax:
-            return np.argmax(self.forward(tokens, positions, bias=bias), axis=-1)
-        B, T = self._run(tokens, positions, bias=bias, choices_only=True)
+            return np.argmax(self.forward(tokens, positions, query_lens=query_lens, bias=bias), axis=-1)
+        B, T = self._run(tokens, positions, query_lens=query_lens, bias=bias, choices_only=True)
         return self._argmax[: B * self._T_run].reshape(B, self._T_run)[:, :T]
 
     def _run(self, tokens: np.ndarray, positions: np.ndarray | None,
