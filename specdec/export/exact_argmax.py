@@ -89,9 +89,9 @@ def add_exact_argmax(b, normed: str, head_name: str, head: np.ndarray, output: s
     dots = op("Cast", [op("MatMulInteger", [stacked, q_head, const("zero_point", 128, np.uint8)], "dots.i32")],
               "dots", to=TensorProto.FLOAT)  # [2BA,V], exact integers (< 2^24)
     dots1, dots2 = _halves(b, dots, n)
-    scales = const("head.scale", scales, np.float32)
+    column_scale = const("head.scale", scales, np.float32)  # [V]
     approx = op("Mul", [op("Add", [op("Mul", [dots1, sa], "approx.1"), op("Mul", [dots2, sa2], "approx.2")],
-                           "approx.sum"), scales], "approx")  # [BA,V]
+                           "approx.sum"), column_scale], "approx")  # [BA,V]
     h_l1 = op("ReduceSum", [op("Abs", [h_hat], "h_hat.abs"), axis_last], "h_hat.l1", keepdims=1)  # [BA,1]
     bound = op("Add", [op("Add", [op("Mul", [sa2, half_l1], "bound.act"), op("Mul", [h_l1, half_scale], "bound.w")],
                           "bound.sum"), margin], "bound")  # [BA,V]

@@ -50,7 +50,7 @@ import onnxruntime as ort
 
 from specdec.errors import SpecdecError
 from specdec.runtime.acceptance import greedy_accept, greedy_accept_choices, speculative_accept
-from specdec.runtime.decoder import MAX_STEP, Decoder
+from specdec.runtime.decoder import MAX_STEP, NO_ROWS, Decoder
 from specdec.runtime.draft_len import (ACCEPT_EMA, ACCEPT_PRIOR, AdaptiveDraftLen, DraftLenPolicy, choose_policy,
                                        median_seconds)
 from specdec.runtime.drafters.base import Draft
@@ -91,8 +91,8 @@ class _RowBinding:
                 self.binding.bind_ortvalue_input(f"past.{i}.{kind}", view)
                 self.binding.bind_ortvalue_output(f"present.{i}.{kind}", view)
         self._logits, self._hidden = logits, hidden
-        self._argmax = np.empty(MAX_STEP, dtype=np.int64)  # bound because the graph has it; the rows read logits
-        self._views: dict[int, list[tuple[str, np.ndarray, ort.OrtValue]]] = {}
+        self._argmax = np.empty(MAX_STEP, dtype=np.int64)  # the graph's greedy choices (forward(choices_only=True))
+        self._views: dict[tuple[int, int, int], list[tuple[str, np.ndarray, ort.OrtValue]]] = {}  # (T, rows, choices)
 
     def _outputs(self, T: int, choices_only: bool = False) -> list[tuple[str, np.ndarray, ort.OrtValue]]:
         # A graph that computes its argmax without logits (argmax_rows) gives either, not both.
@@ -125,12 +125,12 @@ class _RowBinding:
         b.bind_cpu_input("query_lens", np.array([T], dtype=np.int32))
         if self.decoder.spec.has_tree_bias:  # a tree-capable graph run as a plain causal step
             b.bind_cpu_input(ATTENTION_BIAS, np.zeros((1, 1, T, length + T), dtype=self.decoder.bias_dtype))
-        every, none = np.arange(T, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        every = np.arange(T, dtype=np.int64)
         split = self.decoder.spec.has_argmax_rows
         if self.decoder.spec.has_logits_rows:
-            b.bind_cpu_input(LOGITS_ROWS, none if split and choices_only else every)
+            b.bind_cpu_input(LOGITS_ROWS, NO_ROWS if split and choices_only else every)
         if split:
-            b.bind_cpu_input(ARGMAX_ROWS, every if choices_only else none)
+            b.bind_cpu_input(ARGMAX_ROWS, every if choices_only else NO_ROWS)
         outputs = self._outputs(T, choices_only)
         for name, _, value in outputs:
             b.bind_ortvalue_output(name, value)

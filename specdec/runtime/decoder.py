@@ -31,7 +31,8 @@ MAX_STEP = 64
 # nearer the CPU's peak (768 prompt tokens: 1,147 ms in chunks of 64, 1,043 in 128, 1,014 in 256; fp32, 2 cores),
 # and no logits buffer grows with the chunk (K/V and taps: a few MB).
 PREFILL_CHUNK = 256
-_NO_ROWS = np.zeros(0, dtype=np.int64)  # logits_rows / argmax_rows of a step that wants none
+NO_ROWS = np.zeros(0, dtype=np.int64)  # logits_rows / argmax_rows of a step that wants none
+NO_ROWS.setflags(write=False)  # shared by every decoder
 _FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
@@ -217,7 +218,7 @@ class Decoder:
             rows_idx = np.arange(T, dtype=np.int64)
         choice_rows = None
         if self.spec.has_argmax_rows:  # the argmax without logits, or logits without the argmax
-            choice_idx, rows_idx = (rows_idx, _NO_ROWS) if choices_only else (_NO_ROWS, rows_idx)
+            choice_idx, rows_idx = (rows_idx, NO_ROWS) if choices_only else (NO_ROWS, rows_idx)
             choice_rows = len(choice_idx)
         rows = len(rows_idx)
         b = self.binding
