@@ -146,3 +146,23 @@ def test_batched_greedy_rows_read_choices_not_logits(tiny_bundle):
         logits = dec.forward_rows(inputs)
         for r in inputs:
             np.testing.assert_array_equal(choices[r], logits[r].argmax(-1))
+
+
+def test_new_bundles_are_format_2_and_format_1_still_loads(tiny_bundle, tmp_path):
+    """A runtime that knows only format 1 would not feed argmax_rows: new bundles say 2, and this one reads both."""
+    import json
+    import shutil
+
+    from specdec.errors import SpecdecError
+
+    assert read_manifest(tiny_bundle).version == 2
+    old = tmp_path / "old"
+    shutil.copytree(tiny_bundle, old)
+    m = json.loads((old / "specdec.json").read_text())
+    m["version"] = 1
+    (old / "specdec.json").write_text(json.dumps(m))
+    assert read_manifest(old).version == 1
+    m["version"] = 3
+    (old / "specdec.json").write_text(json.dumps(m))
+    with pytest.raises(SpecdecError, match="reads versions 1, 2"):
+        read_manifest(old)

@@ -17,7 +17,10 @@ from specdec.errors import SpecdecError
 
 MANIFEST_NAME = "specdec.json"
 FORMAT = "specdec-bundle"
-FORMAT_VERSION = 1
+# 2: a target graph may take `argmax_rows` (export/exact_argmax.py), which a runtime reading only version 1 would
+# not feed. This runtime reads both; what it writes is version 2.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 # Precisions whose graphs need a GPU to be worth running: the CPU provider has fp16 kernels, but they are
 # slower than fp32 there (FACTS: 100 vs 44 us for one attention node) and less exact.
@@ -221,8 +224,9 @@ class Manifest:
 
     def __post_init__(self) -> None:
         _require(self.format == FORMAT, f"format is {self.format!r}, expected {FORMAT!r}")
-        _require(self.version == FORMAT_VERSION,
-                 f"bundle format version {self.version}, this specdec reads version {FORMAT_VERSION}")
+        _require(self.version in READABLE_VERSIONS,
+                 f"bundle format version {self.version}, this specdec reads versions "
+                 f"{', '.join(map(str, READABLE_VERSIONS))}")
         _require("target" in self.graphs, "graphs has no 'target'")
         if self.drafter.graph is not None:
             _require(self.drafter.graph in self.graphs, f"drafter.graph {self.drafter.graph!r} is not in graphs")
