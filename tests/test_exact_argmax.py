@@ -166,3 +166,19 @@ def test_new_bundles_are_format_2_and_format_1_still_loads(tiny_bundle, tmp_path
     (old / "specdec.json").write_text(json.dumps(m))
     with pytest.raises(SpecdecError, match="reads versions 1, 2"):
         read_manifest(old)
+
+
+def test_a_manifest_that_omits_a_graph_input_is_one_clear_error(tiny_bundle, tmp_path):
+    """The runtime feeds what the manifest lists: a graph input it does not list (here argmax_rows, dropped from a
+    copied manifest) is refused at load, in one line, not as an onnxruntime failure mid-generation."""
+    import json
+    import shutil
+
+    from test_cli import assert_one_error, run_cli
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_bundle, bad)
+    m = json.loads((bad / "specdec.json").read_text())
+    m["graphs"]["target"]["inputs"].remove("argmax_rows")
+    (bad / "specdec.json").write_text(json.dumps(m))
+    assert_one_error(run_cli("generate", bad, "hello", "--max-new-tokens", 4), "argmax_rows", "manifest")

@@ -63,9 +63,13 @@ class Decoder:
             claim_engine_cache(Path(opts.trt_cache_dir), Path(path), opts.device_id)
         self.session = make_session(path, opts)
         names = {i.name for i in self.session.get_inputs()}
+        # The runtime feeds exactly what the manifest lists: a graph that disagrees is refused here, not mid-run.
         missing = [n for n in spec.inputs if n not in names]
-        if missing:
-            raise ValueError(f"graph {path.name} lacks inputs {missing} listed in the manifest")
+        unlisted = sorted(names - set(spec.inputs))
+        if missing or unlisted:
+            what = f"lacks inputs {missing} listed in the manifest" if missing else \
+                f"takes inputs {unlisted} that the manifest does not list"
+            raise SpecdecError(f"graph {path.name} {what}", "the manifest and graph differ: re-export the bundle")
         if kv.n_layers != spec.model.n_layers:
             raise ValueError(f"KV cache has {kv.n_layers} layers, graph {path.name}'s model has {spec.model.n_layers}")
         types = {i.name: i.type for i in self.session.get_inputs()}
