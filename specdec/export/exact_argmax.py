@@ -10,7 +10,7 @@ How, per row h [D] (the final-normed hidden state) and head W [D,V]:
 2. One MatMulInteger over the 2 x rows reads the 8-bit head (a quarter of the fp32 bytes): approx_j = h_hat.W_hat[:,j].
 3. |h.W[:,j] - approx_j| <= sa2/2 * sum_i |W_ij| + sW[j]/2 * sum_i |h_hat_i| (+ a margin for float rounding)
    = bound_j, so every token j whose approx_j + bound_j reaches max_k (approx_k - bound_k) may be the argmax and no
-   other can be. On the default model's answers that leaves 2 tokens at the median, 36 at most.
+   other can be. On the default model's answers that leaves 2 tokens at the median, ~40 at most.
 4. Those columns' exact fp32 logits (a Gather of the head's columns and a small MatMul) pick the argmax.
 
 The result is the argmax of fp32 logits computed by a MatMul, as the full head's is (the same class of rounding
