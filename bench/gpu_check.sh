@@ -18,6 +18,9 @@
 # Precision: the export is fp16 (the GPU precision) when `specdec export --help` lists it, else fp32. An fp16
 # T-token step may round one fp16 ulp differently from T single steps, so an identity "NO" on an fp16 target
 # can be a tie within fp16 rounding rather than a bug: compare with an fp32 bundle (BUNDLE=...) before digging.
+# An fp32 bundle (BUNDLE=<a plain `specdec export`>) also checks the exact-argmax path on the GPU (its greedy
+# choices come from an 8-bit head, export/exact_argmax.py; onnxruntime's CUDA MatMulInteger takes int8 activations
+# only, so that node is expected to fall back to the CPU): the identity rows must still all say yes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
