@@ -7,7 +7,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from specdec.export.exact_argmax import PREFIX, add_exact_argmax, head_codes
+from specdec.export.exact_argmax import PREFIX, add_exact_argmax, int8_columns
 from specdec.export.graph import _Builder
 from specdec.runtime.manifest import ARGMAX_ROWS, read_manifest
 from specdec.runtime.session import pooled_session_options
@@ -40,10 +40,10 @@ def _near_ties(rng, D=48, V=400, pairs=60):
     return head, aims
 
 
-def test_head_codes_round_each_column_within_half_a_step():
+def test_int8_columns_round_each_column_within_half_a_step():
     head = np.random.default_rng(0).standard_normal((32, 50)).astype(np.float32)
     head[:, 7] = 0.0  # an all-zero column keeps a finite scale
-    codes, scales, col_l1 = head_codes(head)
+    codes, scales, col_l1 = int8_columns(head)
     assert codes.dtype == np.int8 and np.abs(codes.astype(int)).max() <= 127 and np.isfinite(scales).all()
     assert np.all(np.abs(codes * scales - head) <= scales / 2 + 1e-7)
     np.testing.assert_allclose(col_l1, np.abs(head).sum(0), rtol=1e-6)
@@ -53,7 +53,7 @@ def test_argmax_equals_the_full_logits_argmax_where_8_bit_scores_alone_would_not
     rng = np.random.default_rng(1)
     head, aims = _near_ties(rng)
     sess = _head_session(head)
-    codes, scales, _ = head_codes(head)
+    codes, scales, _ = int8_columns(head)
     wrong_by_scores = mismatches = 0
     for batch in (1, 2):
         for start in range(0, len(aims) - 5, 5):

@@ -38,7 +38,7 @@ ROUNDING_MARGIN = 1e-2
 TINY = 1e-30  # a scale of an all-zero row: 0/TINY = 0
 
 
-def head_codes(head: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def int8_columns(head: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The head [D,V] as int8 per column: (codes [D,V] int8, scales [V] fp32, column L1 norms [V] fp32)."""
     head = np.asarray(head, dtype=np.float32)
     scales = np.maximum(np.abs(head).max(axis=0) / 127.0, TINY).astype(np.float32)  # [V]
@@ -60,7 +60,7 @@ def add_exact_argmax(b, normed: str, head_name: str, head: np.ndarray, output: s
     def const(name: str, value, dtype) -> str:
         return _const(b, n(name), value, dtype)
 
-    codes, scales, col_l1 = head_codes(head)
+    codes, scales, col_l1 = int8_columns(head)
     D = head.shape[0]
     q_head = const("head.codes", codes, np.int8)  # [D,V]
     half_scale = const("head.half_scale", scales / 2, np.float32)  # [V]
