@@ -91,7 +91,8 @@ def run_bench(engine: Engine, prompts: list[Prompt], configs: list[BenchConfig],
                          "identical": tokens == reference if sampling.greedy else None})
             on_step()
     return summarize(runs, [c.name for c in configs]) | {"runs": runs, "peak_rss_mb": round(peak_rss_mb(), 1),
-                                                          "sampling": dataclasses.asdict(sampling)}
+                                                          "sampling": dataclasses.asdict(sampling),
+                                                          "max_new_tokens": max_new_tokens}
 
 
 def summarize(runs: list[dict], config_names: list[str]) -> dict:
@@ -120,7 +121,9 @@ def render_table(result: dict):
     sampling = result.get("sampling") or {"temperature": 0.0}
     mode = ("greedy" if not sampling["temperature"] else
             "sampling: " + ", ".join(f"{k} {v}" for k, v in sampling.items()))
-    t = Table(title=f"specdec bench ({mode}; speed-up vs plain decoding of the same bundle, same run)")
+    # The budget changes the ratios: later in an answer a model repeats itself more, and lookup drafts catch it.
+    budget = f"at most {result['max_new_tokens']} new tokens per question; " if "max_new_tokens" in result else ""
+    t = Table(title=f"specdec bench ({mode}; {budget}speed-up vs plain decoding of the same bundle, same run)")
     t.add_column("category")
     for name in result["configs"]:
         t.add_column(f"{name}\ntok/s  tau  x", justify="right")

@@ -27,6 +27,7 @@ def test_greedy_bench_compares_outputs(tiny_bundle, tmp_path):
     assert overall["prompts"] == 4 and overall["tau"] >= 1.0 and overall["not_identical"] == 0
     assert result["table"]["plain"]["overall"]["speedup"] == 1.0
     assert "greedy" in stdout
+    assert result["max_new_tokens"] == 16 and "at most 16 new tokens" in stdout  # the budget moves the ratios
 
 
 def test_sampled_bench_runs_every_config_with_one_seed(tiny_bundle, tmp_path):
