@@ -310,6 +310,11 @@ def test_adaptive_cut_recovers_from_costs_timed_on_a_busy_machine(monkeypatch, p
         assert sum(kept[-50:]) >= 100 and policy.verify_s[1] < 0.03  # drafting, at the costs it measured
     else:
         assert sum(kept) == 0 and policy.verify_s[1] == 0.080
+    untimed = draft_len.AdaptiveDraftLen(verify_s=[0.020, 0.080, 0.085, 0.090, 0.095], draft_s=0.0)
+    for _ in range(100):  # rounds whose steps are not timed (batched rows): no probe could teach anything
+        d = untimed.cut(draft).k
+        untimed.update(d, d)
+        assert d == 0
 
 
 @pytest.mark.parametrize("probing", [True, False])

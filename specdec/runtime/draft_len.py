@@ -149,8 +149,9 @@ class AdaptiveDraftLen:
         return draft.head(d)
 
     def _stale(self, k: int) -> bool:
-        """Whether no round has timed a k-token draft's step for PROBE_STALE_ROUNDS rounds (then one should)."""
-        return self._rounds - self._timed.get(k, 0) >= PROBE_STALE_ROUNDS
+        """Whether no round has timed a k-token draft's step for PROBE_STALE_ROUNDS rounds (then one should). Never
+        for a policy whose rounds are not timed (a batched row's): a probe there would teach nothing."""
+        return bool(self._timed) and self._rounds - self._timed.get(k, 0) >= PROBE_STALE_ROUNDS
 
     def next_k(self, limit: int, source: str = "") -> int:
         if source in self._scored:
