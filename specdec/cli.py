@@ -521,10 +521,13 @@ def devices(bundle, notes):
               help="gptq / --sensitive: how many of specdec's prompts the bundle answers for calibration text.")
 @click.option("--act-order", is_flag=True,
               help="gptq: round the input channels with the most energy first (block scales fixed beforehand).")
+@click.option("--symmetric/--asymmetric", default=None,
+              help="Blocks centred on zero (15 levels, no offsets to add: a little faster) or with an offset each "
+                   "(16 levels, closer). Default: asymmetric for int4 weights, symmetric for int8 and --fast-kernels.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @friendly
 def quantize(bundle, precision, out_dir, fast_kernels, block_size, method, sensitive, sensitive_block, calib_prompts,
-             act_order, force):
+             act_order, symmetric, force):
     """Write a copy of an fp32 BUNDLE with its target quantized (or converted to fp16)."""
     from specdec.quant.bundle import quantize_bundle
     from specdec.quant.calibration import CalibrationConfig
@@ -533,7 +536,7 @@ def quantize(bundle, precision, out_dir, fast_kernels, block_size, method, sensi
         with _stage_progress() as step:
             quantize_bundle(bundle, out_dir, precision, force=force, fast_kernels=fast_kernels, block_size=block_size,
                             method=method, sensitive=sensitive, sensitive_block=sensitive_block,
-                            act_order=act_order, step=step,
+                            act_order=act_order, symmetric=symmetric, step=step,
                             calibration=CalibrationConfig(prompts=calib_prompts))
     except ValueError as e:  # a WeightQuantConfig that does not validate, e.g. --block-size 48
         raise SpecdecError(str(e), "see specdec quantize --help") from None

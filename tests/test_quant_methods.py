@@ -105,23 +105,24 @@ def test_bad_method_requests(tiny_bundle, tmp_path):
 
 
 def test_gptq_is_round_to_nearest_for_uncorrelated_inputs_and_beats_it_otherwise():
-    """With H = identity no column's error can be absorbed by others: GPTQ is plain rounding. With correlated
+    """With H = identity no column's error can be absorbed by others: GPTQ is plain rounding (on the
+    same fitted grid). With correlated
     inputs it must lower the layer's output error ||X (W - Q)||, the quantity it minimises."""
-    from specdec.quant.weight_only import _blocks, _dequantize, _grid
+    from specdec.quant.weight_only import _blocks, _dequantize, _fit_grid
 
     rng = np.random.default_rng(0)
     K, N, bs = 64, 24, 32
     W = rng.standard_normal((K, N))
     for symmetric in (True, False):
         q, scale, offset = gptq(W, np.eye(K) * 1e6, 4, bs, symmetric)  # damping negligible next to 1e6
-        q_rtn, scale_rtn, offset_rtn, _ = _grid(_blocks(W, bs), 4, symmetric)
+        q_rtn, scale_rtn, offset_rtn = _fit_grid(_blocks(W, bs), 4, symmetric)
         np.testing.assert_array_equal(q, q_rtn)
         np.testing.assert_allclose(scale, scale_rtn, rtol=1e-6)
         mixing = rng.standard_normal((K, K)) * 0.3 + np.eye(K)
         X = rng.standard_normal((512, K)) @ mixing  # correlated inputs
         err = {}
         for name, (qq, ss, oo) in {"gptq": gptq(W, X.T @ X, 4, bs, symmetric),
-                                   "rtn": _grid(_blocks(W, bs), 4, symmetric)[:3]}.items():
+                                   "rtn": _fit_grid(_blocks(W, bs), 4, symmetric)}.items():
             err[name] = np.square(X @ (W - _dequantize(qq, ss, oo, 4, W.shape))).sum()
         assert err["gptq"] < 0.8 * err["rtn"], err
 
@@ -130,14 +131,14 @@ def test_act_order_rounds_high_energy_channels_first_and_lowers_the_error():
     """Inputs whose channels differ in energy (as LLM activations do): walking the loud channels first leaves the
     quiet ones to absorb their error, so the output error drops well below GPTQ's in plain order. With H
     diagonal no error moves, and act-order's static block scales make it round-to-nearest exactly."""
-    from specdec.quant.weight_only import _blocks, _dequantize, _grid
+    from specdec.quant.weight_only import _blocks, _dequantize, _fit_grid
 
     rng = np.random.default_rng(3)
     K, N, bs = 128, 32, 32
     W = rng.standard_normal((K, N))
     X = (rng.standard_normal((1024, K)) @ (rng.standard_normal((K, K)) * 0.3 + np.eye(K))) * np.exp(rng.standard_normal(K))
     for symmetric in (True, False):
-        q_rtn, scale_rtn, offset_rtn, _ = _grid(_blocks(W, bs), 4, symmetric)
+        q_rtn, scale_rtn, offset_rtn = _fit_grid(_blocks(W, bs), 4, symmetric)
         q, scale, offset = gptq(W, np.diag(rng.uniform(1, 100, K)) * 1e6, 4, bs, symmetric, act_order=True)
         np.testing.assert_array_equal(q, q_rtn)
         np.testing.assert_allclose(scale, scale_rtn, rtol=1e-6)
@@ -151,9 +152,11 @@ def test_act_order_is_a_gptq_option():
         WeightQuantConfig(method="rtn", act_order=True)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("method", ["minmax", "gptq"])
-def test_a_k_that_is_not_a_multiple_of_the_block_is_padded(method):
-    """K = 96 with blocks of 64: the last block holds 32 weights and 32 zeros; the graph computes x @ Q(W)."""
+def test_a_k_that_is_not_a_multiple_of_the_block_is_padded(method, symmetric):
+    """K = 96 with blocks of 64: the last block holds 32 weights and 32 zeros; the graph computes x @ Q(W). An
+    asymmetric grid adds its offsets through the block sums of x padded with zeros."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
@@ -163,21 +166,36 @@ def test_a_k_that_is_not_a_multiple_of_the_block_is_padded(method):
     K, N = 96, 40
     W = rng.standard_normal((K, N)).astype(np.float32)
     g = helper.make_graph([helper.make_node("MatMul", ["A", "W"], ["Y"], name="proj")], "g",
-                          [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, K])],
-                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, N])],
+                          [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, None, K])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, None, N])],
                           initializer=[numpy_helper.from_array(W, "W")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     m.ir_version = 10
     X = rng.standard_normal((200, K)).astype(np.float32)
-    cfg = WeightQuantConfig(bits=4, block_size=64, method=method, symmetric=False)
+    cfg = WeightQuantConfig(bits=4, block_size=64, method=method, symmetric=symmetric)
     q = quantize_nbits(m, cfg, grams={"W": X.T.astype(np.float64) @ X})
-    assert [n.op_type for n in q.graph.node] == ["MatMulNBits"]  # padded: symmetric, no offset path
+    ops = [n.op_type for n in q.graph.node]
+    assert ops == (["MatMulNBits"] if symmetric else ["MatMulNBits", "Pad", "Reshape", "ReduceSum", "MatMul", "Add"])
     from specdec.runtime.session import pooled_session_options
 
     sess = ort.InferenceSession(q.SerializeToString(), pooled_session_options(), providers=["CPUExecutionProvider"])
-    Y = sess.run(None, {"A": X})[0]
+    Y = sess.run(None, {"A": X[None]})[0][0]
     rel = np.square(Y - X @ W).sum() / np.square(X @ W).sum()
     assert 1e-5 < rel < 0.05, rel  # quantized (not exact), and close
+
+
+def test_fitted_clipping_lowers_the_squared_error_of_4_bit_blocks():
+    """_fit_grid's clipping search never does worse than the min/max grid (a shrink of 1 is among its choices)
+    and does better on Gaussian blocks, whose extremes are rare; 8 bits keep the min/max grid."""
+    from specdec.quant.weight_only import _blocks, _dequantize, _fit_grid, _grid
+
+    W = np.random.default_rng(2).standard_normal((256, 48)).astype(np.float32)
+    for symmetric in (True, False):
+        minmax = np.square(W - _dequantize(*_grid(_blocks(W, 128), 4, symmetric)[:3], 4, W.shape)).sum()
+        fitted = np.square(W - _dequantize(*_fit_grid(_blocks(W, 128), 4, symmetric), 4, W.shape)).sum()
+        assert fitted < 0.9 * minmax, (symmetric, fitted, minmax)
+        q8, q8_minmax = _fit_grid(_blocks(W, 128), 8, symmetric), _grid(_blocks(W, 128), 8, symmetric)[:3]
+        assert all(a is b or np.array_equal(a, b) for a, b in zip(q8, q8_minmax))
 
 
 def test_quant_report_cli_compares_several_candidates_in_one_table(tiny_bundle, methods, tmp_path):
@@ -373,3 +391,58 @@ def test_bad_quantize_options_get_one_line(tiny_bundle, tmp_path):
     assert_one_error(run_cli("quantize", tiny_bundle, "--to", "fp16", "-o", tmp_path / "h", "--method", "hqq"),
                      "apply to int8 and int4 only")
     assert not (tmp_path / "q").exists() and not (tmp_path / "h").exists()
+
+
+def test_a_sensitive_weight_on_a_4bit_grid_of_finer_blocks_comes_back_exactly():
+    """A GGUF's Q4_1 weights (4-bit blocks of 32) quantized into blocks of 128: the ones chosen as sensitive, with
+    sensitive_block 32, are re-encoded bit for bit on their own grid, not rounded a second time; the others round."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specdec.quant.weight_only import quantize_nbits
+    from specdec.runtime.session import pooled_session_options
+
+    rng = np.random.default_rng(4)
+    K, N, bs = 256, 24, 32
+    codes = rng.integers(0, 16, (N, K // bs, bs))
+    codes[..., 0], codes[..., 1] = 0, 15  # Q4_1 takes each block's min and max as its ends
+    step, low = rng.uniform(0.01, 0.05, (N, K // bs, 1)), rng.uniform(-0.4, -0.1, (N, K // bs, 1))
+    W = (codes * step + low).reshape(N, K).T.astype(np.float32)  # [K, N] on a Q4_1 grid of blocks of 32
+    names = ("a", "b")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", n], [f"y_{n}"], name=n) for n in names], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, K])],
+                          [helper.make_tensor_value_info(f"y_{n}", TensorProto.FLOAT, [1, None, N]) for n in names],
+                          initializer=[numpy_helper.from_array(W, n) for n in names])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    cfg = WeightQuantConfig(bits=4, block_size=128, method="minmax", symmetric=False, sensitive=0.5,
+                            sensitive_block=32)
+    q = quantize_nbits(m, cfg, finer={"a"})
+    assert q.metadata_props[-1].value == str(sorted({"4bit_asym_exact_b32": 1, "4bit_asym_rtn": 1}.items()))
+    X = rng.standard_normal((1, 5, K)).astype(np.float32)
+    sess = ort.InferenceSession(q.SerializeToString(), pooled_session_options(), providers=["CPUExecutionProvider"])
+    y_a, y_b = sess.run(["y_a", "y_b"], {"x": X})
+    np.testing.assert_allclose(y_a, X @ W, rtol=1e-5, atol=1e-5)  # exact (up to fp32 summation order)
+    assert np.abs(y_b - X @ W).max() > 1e-3  # rounded into blocks of 128
+
+
+def test_quantize_cli_rounds_asymmetrically_unless_told_symmetric(tiny_bundle, tmp_path):
+    """int4 weights off any grid (a random tiny model) take offset blocks by default and centred ones with
+    --symmetric; the manifest records which."""
+    import ast
+
+    from click.testing import CliRunner
+
+    from specdec.cli import main
+    from specdec.runtime.manifest import read_manifest
+
+    for flag, expected in (([], "4bit_asym_rtn"), (["--symmetric"], "4bit_sym_rtn")):
+        out = tmp_path / (flag[0][2:] if flag else "default")
+        r = CliRunner().invoke(main, ["quantize", str(tiny_bundle), "--to", "int4", "-o", str(out), *flag])
+        assert r.exit_code == 0, r.output
+        q = onnx.load(str(out / "target.onnx"), load_external_data=False)
+        record = dict(ast.literal_eval(next(p.value for p in q.metadata_props if p.key == "specdec.nbits_choices")))
+        assert expected in record, record
+        assert read_manifest(out).graphs["target"].quant["symmetric"] is (expected == "4bit_sym_rtn")
+    r = CliRunner().invoke(main, ["quantize", str(tiny_bundle), "--to", "fp16", "--symmetric", "-o", str(tmp_path / "h")])
+    assert r.exit_code != 0 and "--symmetric" in r.output
