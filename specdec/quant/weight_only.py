@@ -30,7 +30,9 @@ GPTQ_DAMP = 0.01
 class WeightQuantConfig:
     bits: int = 4  # 4 or 8
     block_size: int = 32
-    symmetric: bool = True
+    # None: the method's better grid, as measured on SmolLM2 in blocks of 128 (bench/README.md, session 12): GPTQ
+    # asymmetric (an offset per block; it fits its grids, see _fit_grid), every other method symmetric.
+    symmetric: bool | None = None
     accuracy_level: int = 0  # 0 = fp32 activations (T-invariant); 4 = int8 activations (fast, not T-invariant)
     # "rtn": onnxruntime's quantizer (integer zero points). "minmax": specdec's (quantize_nbits): each weight
     # first re-encoded exactly where its values already lie on a 4- or 8-bit block grid (a GGUF's Q4_1/Q8_0
@@ -46,6 +48,8 @@ class WeightQuantConfig:
     act_order: bool = False  # gptq: walk the columns by decreasing input energy (see gptq())
 
     def __post_init__(self) -> None:
+        if self.symmetric is None:
+            object.__setattr__(self, "symmetric", self.method != "gptq")
         if self.bits not in (4, 8) or self.head_bits not in (None, 4, 8, 32):
             raise ValueError(f"bits must be 4 or 8, got {self.bits} (head {self.head_bits})")
         if self.method not in METHODS:
@@ -372,9 +376,7 @@ TARGET_PRESETS = {
     # minmax: a GGUF's Q4_1 layers re-encoded bit for bit; other weights round to 4 bits. The LM head stays fp32
     # (tied to the embedding, stored once): 8-bit weights with fp32 activations have no fast kernel on CPUs
     # without VNNI (SmolLM2 on a 2-core AVX2 CPU: 108-180 ms per token with an 8-bit head, 18 ms with fp32).
-    # Weights not on a 4-bit grid already round asymmetrically (an offset per block; all 16 levels used): SmolLM2's
-    # layers re-rounded by GPTQ into blocks of 128 agree with fp32 on 0.845 of next tokens, 0.783 symmetric.
-    "int4": WeightQuantConfig(bits=4, block_size=32, accuracy_level=0, method="minmax", head_bits=32, symmetric=False),
+    "int4": WeightQuantConfig(bits=4, block_size=32, accuracy_level=0, method="minmax", head_bits=32),
 }
 # Opt-in only (`specdec quantize --fast-kernels`): int8-activation kernels, 2.5-10x faster per step on a
 # CPU without VNNI than the T-invariant ones (which fall back to slow paths there), but a T-token step
@@ -397,17 +399,28 @@ EXACT_TOLERANCE = 1e-5
 HEAD_NAME = "lm_head"  # the graph writer's name for the LM head MatMul node
 
 
+def _symmetric_extreme(w: np.ndarray, bits: int) -> np.ndarray:
+    """The value a symmetric grid maps to its end code, per block of w [N, nb, bs]: 4 bits, the value of largest
+    magnitude with its sign (Q4_0); 8 bits, the largest magnitude (Q8_0)."""
+    if bits != 4:
+        return np.abs(w).max(-1)
+    idx = np.abs(w).argmax(-1)[..., None]  # [N,nb,1]
+    return np.take_along_axis(w, idx, -1)[..., 0]  # [N,nb]
+
+
 def _grid(w: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float]:
     """Quantize blocks w [N, nb, bs] to `bits`: (q [N,nb,bs] uint8, scale [N,nb], offset [N,nb] or None, error).
 
-    symmetric: w = scale * (q - 2^(bits-1)), scale = amax / (2^(bits-1) - 1) (how Q8_0/Q4_0 store weights).
+    symmetric: w = scale * (q - 2^(bits-1)). 8 bits: scale = amax / 127 (Q8_0). 4 bits: scale = -m / 8 for m the
+    block's value of largest magnitude (Q4_0, and onnxruntime's quantizer): m lands on code -8 exactly and all 16
+    codes serve the block (amax / 7 would leave one unused, a coarser step); the scale is negative where m > 0.
     asymmetric: w = scale * q + offset, offset = the block's min, scale = range / (2^bits - 1) (Q4_1/Q8_1).
     error: the largest |w - dequantized| over the blocks, relative to each block's range.
     """
     if symmetric:
         half = 2 ** (bits - 1)
-        scale = np.abs(w).max(-1) / (half - 1)  # [N,nb]
-        safe = np.where(scale > 0, scale, 1.0)
+        scale = _symmetric_extreme(w, bits) / (-half if bits == 4 else half - 1)  # [N,nb]
+        safe = np.where(scale != 0, scale, 1.0)
         q = np.clip(np.rint(w / safe[..., None]), -half, half - 1) + half
         offset, deq = None, safe[..., None] * (q - half)
     else:
@@ -421,8 +434,9 @@ def _grid(w: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.nda
     return q.astype(np.uint8), safe.astype(np.float32), offset, err
 
 
-# Clipping searched by _fit_grid: a block's range shrunk by each of these factors (the GPTQ reference code's "mse"
-# grid search, finer). On SmolLM2's layers re-rounded into 4-bit blocks of 128 the chosen factors sit at 0.8-0.95.
+# Clipping searched by _fit_grid for GPTQ's block grids: a block's range shrunk by each of these factors (the GPTQ
+# reference code's "mse" grid search, finer). GPTQ then pushes each rounding's error onto the columns not yet
+# rounded, so a finer step pays; plain round-to-nearest measured worse with it (bench/README.md, session 12).
 CLIP_SHRINKS = np.linspace(1.0, 0.55, 19)
 
 
@@ -432,15 +446,15 @@ def _fit_grid(w: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np
     the full range (their step is already fine; clipping only adds error)."""
     if bits != 4:
         return _grid(w, bits, symmetric)[:3]
-    levels = 2 ** bits - 1
-    lo0, hi0 = (-np.abs(w).max(-1), np.abs(w).max(-1)) if symmetric else (w.min(-1), w.max(-1))  # [N,nb]
+    levels, half = 2 ** bits - 1, 2 ** (bits - 1)
+    lo0, hi0 = w.min(-1), w.max(-1)  # [N,nb]
+    extreme = _symmetric_extreme(w, bits)  # [N,nb]
     best_err = best_scale = best_lo = None
     for shrink in CLIP_SHRINKS:
         lo, hi = lo0 * shrink, hi0 * shrink
-        scale = (hi - lo) / levels if not symmetric else hi / (2 ** (bits - 1) - 1)  # [N,nb]
-        safe = np.where(scale > 0, scale, 1.0)
+        scale = (hi - lo) / levels if not symmetric else extreme * shrink / -half  # [N,nb]
+        safe = np.where(scale != 0, scale, 1.0)
         if symmetric:
-            half = 2 ** (bits - 1)
             deq = safe[..., None] * np.clip(np.rint(w / safe[..., None]), -half, half - 1)
         else:
             deq = safe[..., None] * np.clip(np.rint((w - lo[..., None]) / safe[..., None]), 0, levels) + lo[..., None]
@@ -452,7 +466,6 @@ def _fit_grid(w: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np
             best_err = np.where(better, err, best_err)
             best_scale, best_lo = np.where(better, safe, best_scale), np.where(better, lo, best_lo)
     if symmetric:
-        half = 2 ** (bits - 1)
         q = np.clip(np.rint(w / best_scale[..., None]), -half, half - 1) + half
         return q.astype(np.uint8), best_scale.astype(np.float32), None
     q = np.clip(np.rint((w - best_lo[..., None]) / best_scale[..., None]), 0, levels)
@@ -588,8 +601,8 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, finer: set[st
             if cfg.method == "gptq" and bits == cfg.bits:
                 H = _pad(_pad(grams[w_name], bs).T, bs)  # [K', K']: padded inputs are dead columns
                 grid, how = gptq(_pad(W, bs), H, bits, bs, symmetric, cfg.act_order), "gptq"
-            else:
-                grid, how = _fit_grid(_blocks(_pad(W, bs), bs), bits, symmetric), "rtn"
+            else:  # min/max grids: fitted clipping helped GPTQ but cost round-to-nearest (0.754 -> 0.728, session 12)
+                grid, how = _grid(_blocks(_pad(W, bs), bs), bits, symmetric)[:3], "rtn"
         key = f"{bits}bit_{'sym' if symmetric else 'asym'}_{how}" + (f"_b{bs}" if bs != cfg.block_size else "")
         return grid, bits, bs, key
 
