@@ -320,7 +320,8 @@ def test_minmax_reencodes_gguf_grids_exactly_and_rounds_the_rest(grid):
         blocks = d * q + m
     elif grid == "q4_0":
         q = rng.integers(-8, 8, size=(N, K // bs, bs))
-        q[..., 0] = -8  # the block's extreme, whose sign d carries
+        q[..., 0], q[..., 1] = -8, 7  # the block's extreme, whose sign d carries; spanning all codes, it fits an
+        # offset grid as well, and the symmetric one (no offsets to add) must win
         blocks = d * rng.choice([-1.0, 1.0], size=d.shape).astype(np.float32) * q
     elif grid == "q8_0":
         q = rng.integers(-127, 128, size=(N, K // bs, bs))
@@ -339,7 +340,7 @@ def test_minmax_reencodes_gguf_grids_exactly_and_rounds_the_rest(grid):
     if grid == "q4_1":
         assert "4bit_asym_exact" in choice and err < 1e-5
     elif grid == "q4_0":
-        assert "4bit_sym_exact" in choice and err < 1e-5
+        assert "4bit_sym_exact" in choice and "asym" not in choice and err < 1e-5
     elif grid == "q8_0":
         assert "8bit_sym_exact" in choice and err < 1e-5
     else:

@@ -559,9 +559,9 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, finer: set[st
                    grams: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
     """MatMul(x, W) -> MatMulNBits(x, W_q) [+ MatMul(block sums of x, offsets)] for every constant W [K, N].
 
-    Per weight, the first exact grid wins: 4-bit asymmetric, 4-bit symmetric, 8-bit symmetric, 8-bit asymmetric
-    (a GGUF's Q4_1 layers and Q8_0 head come back bit for bit: the bundle is the GGUF's own weights, not a second
-    rounding of them). Otherwise `bits` (the head `head_bits`) with cfg.symmetric. An asymmetric block's float
+    Per weight, the first exact grid wins: 4-bit symmetric (no offsets to add; a Q4_0 block spanning codes -8..7
+    fits an offset grid too), 4-bit asymmetric, 8-bit symmetric, 8-bit asymmetric (a GGUF's Q4_0/Q4_1 layers and
+    Q8_0 head come back bit for bit: the bundle is the GGUF's own weights, not a second rounding of them). Otherwise `bits` (the head `head_bits`) with cfg.symmetric. An asymmetric block's float
     offset m adds m * sum(x over the block) to each output: MatMulNBits's zero points are integers, so the
     offsets go through one small MatMul of the activations' block sums [.., K/bs] @ [K/bs, N] (how llama.cpp's
     Q4_1 dot product works too); every op keeps fp32 activations, so T-invariance is that of the kernels.
@@ -575,7 +575,7 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, finer: set[st
         """(grid, bits, symmetric) of the first grid at blocks of `bs` that holds W exactly, else None."""
         padded = W.shape[0] % bs != 0  # a padded block holds zeros: only a grid holding 0 (symmetric) re-encodes it
         blocks = _blocks(_pad(W, bs), bs)  # [N, nb, bs]
-        for bits, symmetric in ((4, True), (8, True)) if padded else ((4, False), (4, True), (8, True), (8, False)):
+        for bits, symmetric in ((4, True), (8, True)) if padded else ((4, True), (4, False), (8, True), (8, False)):
             q, scale, offset, err = _grid(blocks, bits, symmetric)
             if err <= EXACT_TOLERANCE:
                 return (q, scale, offset), bits, symmetric
