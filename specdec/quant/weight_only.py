@@ -408,6 +408,17 @@ def _symmetric_extreme(w: np.ndarray, bits: int) -> np.ndarray:
     return np.take_along_axis(w, idx, -1)[..., 0]  # [N,nb]
 
 
+def _round_to(w: np.ndarray, scale: np.ndarray, lo: np.ndarray | None, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks w [N, nb, bs] rounded onto the grid of scale [N, nb] (nonzero) and, asymmetric, offset lo [N, nb]
+    (None: symmetric): (codes as stored, 0..2^bits-1 [N,nb,bs], the values they stand for [N,nb,bs])."""
+    half = 2 ** (bits - 1)
+    if lo is None:
+        q = np.clip(np.rint(w / scale[..., None]), -half, half - 1) + half
+        return q, scale[..., None] * (q - half)
+    q = np.clip(np.rint((w - lo[..., None]) / scale[..., None]), 0, 2 ** bits - 1)
+    return q, scale[..., None] * q + lo[..., None]
+
+
 def _grid(w: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float]:
     """Quantize blocks w [N, nb, bs] to `bits`: (q [N,nb,bs] uint8, scale [N,nb], offset [N,nb] or None, error).
 
@@ -417,18 +428,13 @@ def _grid(w: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.nda
     asymmetric: w = scale * q + offset, offset = the block's min, scale = range / (2^bits - 1) (Q4_1/Q8_1).
     error: the largest |w - dequantized| over the blocks, relative to each block's range.
     """
+    half = 2 ** (bits - 1)
     if symmetric:
-        half = 2 ** (bits - 1)
-        scale = _symmetric_extreme(w, bits) / (-half if bits == 4 else half - 1)  # [N,nb]
-        safe = np.where(scale != 0, scale, 1.0)
-        q = np.clip(np.rint(w / safe[..., None]), -half, half - 1) + half
-        offset, deq = None, safe[..., None] * (q - half)
+        offset, scale = None, _symmetric_extreme(w, bits) / (-half if bits == 4 else half - 1)  # [N,nb]
     else:
-        lo = w.min(-1)
-        scale = (w.max(-1) - lo) / (2 ** bits - 1)
-        safe = np.where(scale > 0, scale, 1.0)
-        q = np.clip(np.rint((w - lo[..., None]) / safe[..., None]), 0, 2 ** bits - 1)
-        offset, deq = lo, safe[..., None] * q + lo[..., None]
+        offset, scale = w.min(-1), (w.max(-1) - w.min(-1)) / (2 ** bits - 1)  # [N,nb]
+    safe = np.where(scale != 0, scale, 1.0)
+    q, deq = _round_to(w, safe, offset, bits)
     span = np.maximum(w.max(-1) - w.min(-1), np.abs(w).max(-1))[..., None]  # [N,nb,1]
     err = float((np.abs(w - deq) / np.where(span > 0, span, 1.0)).max())
     return q.astype(np.uint8), safe.astype(np.float32), offset, err
@@ -446,30 +452,22 @@ def _fit_grid(w: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np
     the full range (their step is already fine; clipping only adds error)."""
     if bits != 4:
         return _grid(w, bits, symmetric)[:3]
-    levels, half = 2 ** bits - 1, 2 ** (bits - 1)
-    lo0, hi0 = w.min(-1), w.max(-1)  # [N,nb]
-    extreme = _symmetric_extreme(w, bits)  # [N,nb]
-    best_err = best_scale = best_lo = None
+    lo0, range0, extreme = w.min(-1), w.max(-1) - w.min(-1), _symmetric_extreme(w, bits)  # [N,nb] each
+    best = None  # (squared error [N,nb], codes [N,nb,bs], scale [N,nb], offset [N,nb] or None)
     for shrink in CLIP_SHRINKS:
-        lo, hi = lo0 * shrink, hi0 * shrink
-        scale = (hi - lo) / levels if not symmetric else extreme * shrink / -half  # [N,nb]
+        lo = None if symmetric else lo0 * shrink
+        scale = extreme * shrink / -(2 ** (bits - 1)) if symmetric else range0 * shrink / (2 ** bits - 1)
         safe = np.where(scale != 0, scale, 1.0)
-        if symmetric:
-            deq = safe[..., None] * np.clip(np.rint(w / safe[..., None]), -half, half - 1)
-        else:
-            deq = safe[..., None] * np.clip(np.rint((w - lo[..., None]) / safe[..., None]), 0, levels) + lo[..., None]
+        q, deq = _round_to(w, safe, lo, bits)
         err = np.square(deq - w).sum(-1)  # [N,nb]
-        if best_err is None:
-            best_err, best_scale, best_lo = err, safe, lo
-        else:
-            better = err < best_err
-            best_err = np.where(better, err, best_err)
-            best_scale, best_lo = np.where(better, safe, best_scale), np.where(better, lo, best_lo)
-    if symmetric:
-        q = np.clip(np.rint(w / best_scale[..., None]), -half, half - 1) + half
-        return q.astype(np.uint8), best_scale.astype(np.float32), None
-    q = np.clip(np.rint((w - best_lo[..., None]) / best_scale[..., None]), 0, levels)
-    return q.astype(np.uint8), best_scale.astype(np.float32), best_lo
+        if best is None:
+            best = (err, q, safe, lo)
+            continue
+        better = err < best[0]  # [N,nb]
+        best = (np.where(better, err, best[0]), np.where(better[..., None], q, best[1]),
+                np.where(better, safe, best[2]), None if symmetric else np.where(better, lo, best[3]))
+    _, q, scale, lo = best
+    return q.astype(np.uint8), scale.astype(np.float32), lo
 
 
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
@@ -561,7 +559,8 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, finer: set[st
 
     Per weight, the first exact grid wins: 4-bit symmetric (no offsets to add; a Q4_0 block spanning codes -8..7
     fits an offset grid too), 4-bit asymmetric, 8-bit symmetric, 8-bit asymmetric (a GGUF's Q4_0/Q4_1 layers and
-    Q8_0 head come back bit for bit: the bundle is the GGUF's own weights, not a second rounding of them). Otherwise `bits` (the head `head_bits`) with cfg.symmetric. An asymmetric block's float
+    Q8_0 head come back bit for bit: the bundle is the GGUF's own weights, not a second rounding of them).
+    Otherwise `bits` (the head `head_bits`) with cfg.symmetric. An asymmetric block's float
     offset m adds m * sum(x over the block) to each output: MatMulNBits's zero points are integers, so the
     offsets go through one small MatMul of the activations' block sums [.., K/bs] @ [K/bs, N] (how llama.cpp's
     Q4_1 dot product works too); every op keeps fp32 activations, so T-invariance is that of the kernels.
