@@ -193,8 +193,9 @@ def _label(r: dict) -> str:
     finer = f"b{q['sensitive_block']}" if q.get("sensitive_block") else "8b"
     mixed = f"+{q['sensitive']:.0%} {finer}" if q.get("sensitive") else ""
     order = " act-order" if q.get("act_order") else ""
-    # the grid of the weights rounded here (weights re-encoded exactly keep their own)
-    grid = {True: " sym", False: " asym"}.get(q.get("symmetric"), "")
+    # the grid of the weights rounded here; minmax re-encodes weights already on a grid as they are (a GGUF's
+    # Q4_1 layers stay asymmetric), so its grid would mislabel those
+    grid = "" if method == "minmax" else {True: " sym", False: " asym"}.get(q.get("symmetric"), "")
     return f"{r['precision']} {method}{order}{mixed}{grid} blk{q.get('block_size')}/acc{q.get('accuracy_level')}"
 
 
