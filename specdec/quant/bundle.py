@@ -78,7 +78,7 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
     if (block_size is not None or method is not None or sensitive or sensitive_block or act_order
             or symmetric is not None) \
             and precision not in TARGET_PRESETS:
-        raise SpecdecError(f"--block-size, --method, --sensitive and --symmetric apply to "
+        raise SpecdecError(f"--block-size, --method, --sensitive and --symmetric/--asymmetric apply to "
                            f"{' and '.join(TARGET_PRESETS)} only, not {precision}")
     if fast_kernels and precision not in FAST_TARGET_PRESETS:
         raise SpecdecError(f"--fast-kernels applies to {' and '.join(FAST_TARGET_PRESETS)} only, not {precision}")
