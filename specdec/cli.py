@@ -365,8 +365,9 @@ def generation_options(fn):
                      help="Drafted tokens per round: K, 'auto', or 0 for plain decoding (default: the bundle's)."),
         click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default=None,
                      help="Override the bundle's drafter (corpus = prompt lookup, then the bundle's corpus of the "
-                          "target's own answers; hybrid = n-gram lookup where it matches, the draft model "
-                          "or EAGLE/Medusa heads elsewhere; hybrid-tree = both as branches of one tree)."),
+                          "target's own answers; hybrid = lookup (with EAGLE/Medusa heads: the corpus drafter's where the "
+                          "bundle has a corpus) where it drafts, the draft model or heads elsewhere; hybrid-tree = "
+                          "both as branches of one tree)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--max-len", type=int, default=None, help="KV buffer length in tokens (default: the bundle's)."),
         click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default=None,

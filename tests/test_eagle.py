@@ -368,6 +368,102 @@ def test_merged_drafts_share_prefixes_when_greedy_and_keep_laws_when_sampling():
     np.testing.assert_array_equal(sampled.p_draft[3:], rows)
 
 
+class _ScoredLookup:
+    """A lookup drafter that proposes given chains with given confidences and records what it is told."""
+
+    def __init__(self, drafts):
+        self.drafts, self.told = list(drafts), []
+
+    def begin(self, prompt_ids, sampling, rng):
+        pass
+
+    def source(self, context):
+        return "lookup"
+
+    def propose(self, context, k):
+        from specdec.runtime.drafters.base import Draft
+
+        tokens, confidence = self.drafts[0]
+        return Draft(tokens=np.array(tokens[:k]), confidence=np.array(confidence[:k]))
+
+    def accept(self, n_accepted, next_token):
+        self.told.append((n_accepted, next_token))
+        self.drafts.pop(0)
+
+
+class _FixedModel(_ScoredLookup):
+    def propose(self, context, k):
+        from specdec.runtime.drafters.base import Draft
+
+        return Draft(tokens=np.array(self.drafts.pop(0)[0][:k]))
+
+    def accept(self, n_accepted, next_token):
+        self.told.append((n_accepted, next_token))
+
+
+def test_hybrid_trusts_a_scored_lookup_up_to_its_first_unsure_token_and_learns_from_what_was_emitted():
+    from specdec.runtime.drafters.hybrid import LOOKUP_MIN_CONFIDENCE, HybridDrafter
+
+    sure, unsure = 0.9, LOOKUP_MIN_CONFIDENCE / 2
+    lookup = _ScoredLookup([([5, 6, 7], [sure, sure, unsure]), ([8], [unsure]), ([1], [sure])])
+    model = _FixedModel([([5, 9], None), ([4, 4], None), ([2], None)])
+    hybrid = HybridDrafter(lookup, model, room=lambda: 16)
+    hybrid.begin([1, 2], SamplingConfig(), np.random.default_rng(0))
+    context = [1, 2, 3]
+    assert hybrid.source(context) == "both"
+    tree = hybrid.propose(context, 3)
+    # The lookup's 7 is unsure: its trusted part [5, 6] and the model's [5, 9] share the 5.
+    assert tree.tokens.tolist() == [5, 6, 9] and tree.parents.tolist() == [-1, 0, 0]
+    hybrid.accept(2, 4)  # the target kept the model's branch 5 -> 9, then wrote 4
+    assert lookup.told == [] and model.told == []  # a tree round's lookup learns from the next context
+    context += [5, 9, 4]
+    # The lookup kept 1 token of its chain, and the target wrote 9 where it had 6 (the lookup's next draft, 8, is
+    # unsure: the model drafts alone).
+    assert hybrid.source(context) == "model" and lookup.told == [(1, 9)]
+    chain = hybrid.propose(context, 2)
+    assert chain.parents is None and chain.tokens.tolist() == [4, 4]
+    hybrid.accept(1, 7)
+    assert model.told == [(1, 7)]  # the model drafted: it is told at once
+    context += [4, 7]
+    hybrid.propose(context, 1)
+    # The unsure 8 was never verified, yet the target's token there (4) says it was wrong.
+    assert lookup.told == [(1, 9), (0, 4)]
+
+
+@pytest.fixture(scope="module")
+def eagle_corpus_bundle(eagle_bundle, tiny_distill_data, tmp_path_factory):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from specdec.cli import main
+
+    bundle = tmp_path_factory.mktemp("bundles") / "eagle-corpus"
+    shutil.copytree(eagle_bundle, bundle)
+    r = CliRunner().invoke(main, ["corpus", str(bundle), "--data", str(tiny_distill_data)])
+    assert r.exit_code == 0, r.output
+    return bundle
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "hybrid-tree"])
+def test_hybrids_of_a_bundle_with_a_corpus_draft_from_it_and_stay_plain_greedy(eagle_corpus_bundle, kind):
+    from specdec.runtime.drafters.corpus import CorpusDrafter
+
+    eng = specdec.load(eagle_corpus_bundle, drafter=kind)
+    assert isinstance(eng.drafter.lookup, CorpusDrafter)
+    drafts = _spy(eng)
+    for prompt in REPEATING + ("hello world, this is",):
+        plain = eng.generate(prompt, GenerationConfig(max_new_tokens=40, draft_len=0))
+        for k in (3, "auto"):
+            assert eng.generate(prompt, GenerationConfig(max_new_tokens=40, draft_len=k)).token_ids == plain.token_ids
+    from specdec.runtime.drafters.corpus import PRIOR_TRIALS
+
+    # The lookup side was told how its drafts fared.
+    assert any(r.scores > PRIOR_TRIALS for r in eng.drafter.lookup.reliability.values())
+    if kind == "hybrid-tree":
+        assert [d for d in drafts if d.parents is not None and (d.parents == -1).sum() > 1]
+
+
 def test_long_prompts_lose_their_beginning_not_the_answer():
     # 700 prompt tokens + 100 answer tokens in a 512 window: the answer stays whole, the prompt keeps its end.
     assert eagle_mod._window(1000, 1800, 700, 512) == (1288, 1800, 412)

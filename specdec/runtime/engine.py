@@ -239,8 +239,11 @@ class Engine:
                                                         "eagle-tree, medusa or medusa-tree")
 
     def _hybrid(self, heads: Drafter, tree: bool) -> HybridDrafter:
-        """Lookup where it matches, else `heads`; `tree`: both as branches of one tree where the lookup matches."""
-        lookup = NgramDrafter(max_ngram=self.manifest.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM)
+        """Lookup where it matches (prompt lookup, then the bundle's corpus of the target's answers if it has one),
+        else `heads`; `tree`: both as branches of one tree where the lookup matches."""
+        m = self.manifest
+        lookup = (corpus_drafter(self.path, m) if m.drafter.corpus
+                  else NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM))
         kv = self.target.kv
         room = (lambda: min(kv.max_len - int(kv.lengths[0]) - 1, MAX_STEP - 1)) if tree else None
         return HybridDrafter(lookup, heads, room=room)

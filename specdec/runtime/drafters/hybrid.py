@@ -1,9 +1,10 @@
-"""Prompt lookup where the text repeats, a draft model everywhere else; or both at once, as one token tree.
+"""Lookup where the text repeats, a draft model everywhere else; or both at once, as one token tree.
 
 The two win on different text: lookup drafts are free and long where the answer copies the prompt
-(summaries, extraction, code edits); a draft model is right most of the time on free writing. Where a lookup
-match is wrong the model's guess is often right, so given a `room` the lookup's chain and the model's draft
-hang side by side under the round's input and the target verifies both in one step.
+(summaries, extraction, code edits) or, with a corpus of the target's own answers, where it writes what it
+always writes; a draft model is right most of the time on free writing. Where a lookup match is wrong the
+model's guess is often right, so given a `room` the lookup's chain and the model's draft hang side by side
+under the round's input and the target verifies both in one step.
 """
 from __future__ import annotations
 
@@ -12,36 +13,50 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specdec.runtime.drafters.base import Draft, Drafter
-from specdec.runtime.drafters.ngram import NgramDrafter
 from specdec.runtime.sampling import SamplingConfig
 
 # Shortest n-gram match trusted over the draft model: a single repeated token predicts its old
 # continuation poorly, while the int8 self-draft agrees with the target ~95% of the time.
 LOOKUP_MIN_NGRAM = 2
+# A scored lookup draft (the corpus drafter's: a confidence per token) is trusted up to its first token below
+# this; the model drafts where nothing is left. As draft_len.MIN_CONFIDENCE (not imported: draft_len imports the
+# drafters), and for the same reason: a token this unlikely is not worth verifying on its own.
+LOOKUP_MIN_CONFIDENCE = 0.3
 
 
 class HybridDrafter:
-    def __init__(self, lookup: NgramDrafter, model: Drafter, room: Callable[[], int] | None = None) -> None:
-        """`room`: given, where the lookup matches, draft with both and verify the two drafts as branches of one
+    def __init__(self, lookup: Drafter, model: Drafter, room: Callable[[], int] | None = None) -> None:
+        """`lookup`: a deterministic drafter, prompt lookup (ngram.py) or prompt lookup then the corpus of the
+        target's answers (corpus.py), whose drafts may carry confidences. `room`: given, where the lookup matches, draft with both and verify the two drafts as branches of one
         tree of at most room() nodes (the target must take a tree attention bias). Only for drafters that keep
         nothing from their proposals (EAGLE and Medusa heads read the target's own states), since the path
         accepted may be the lookup's."""
         self.lookup, self.model, self.room = lookup, model, room
         self._last: Drafter = model
         self.sampling = SamplingConfig()
+        # The lookup's last chain and the context it was drafted after: which of its tokens the target kept is
+        # known only from the next round's context (the accepted path may be the model's branch, or the chain
+        # may not have been verified at all).
+        self._pending: tuple[list[int], int] | None = None
 
     def begin(self, prompt_ids: Sequence[int], sampling: SamplingConfig, rng: np.random.Generator) -> None:
         self.sampling = sampling
+        self._pending = None
         self.lookup.begin(prompt_ids, sampling, rng)
         self.model.begin(prompt_ids, sampling, rng)
 
     def source(self, context: Sequence[int]) -> str:
-        if not self.lookup.has_match(context):
+        self._settle(context)
+        if trusted(self.lookup.propose(context, 1)).k == 0:
             return "model"
         return "lookup" if self.room is None else "both"
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        draft = self.lookup.propose(context, k)
+        self._settle(context)
+        proposed = self.lookup.propose(context, k)
+        if proposed.k:
+            self._pending = (proposed.tokens.tolist(), len(context))
+        draft = trusted(proposed)
         self._last = self.lookup
         if draft.k == 0:
             # The model drafter catches up on the tokens decided in lookup rounds inside propose().
@@ -52,7 +67,33 @@ class HybridDrafter:
         return draft
 
     def accept(self, n_accepted: int, next_token: int) -> None:
-        self._last.accept(n_accepted, next_token)
+        if self._last is self.model:
+            self.model.accept(n_accepted, next_token)
+        # The lookup side learns at the next propose(), from what this round emitted (_settle).
+
+    def _settle(self, context: Sequence[int]) -> None:
+        """Tell the lookup how much of its last chain the target kept, read off the tokens the round emitted (the
+        accepted path, then the target's token), whichever branch was accepted and whether or not its chain was
+        verified at all (cut as untrusted): the token after the kept part is the target's own there."""
+        if self._pending is None:
+            return
+        chain, before = self._pending
+        self._pending = None
+        emitted = [int(t) for t in context[before:]]
+        n = 0
+        while n < min(len(chain), len(emitted) - 1) and chain[n] == emitted[n]:
+            n += 1
+        if n < len(emitted):
+            self.lookup.accept(n, emitted[n])
+
+
+def trusted(draft: Draft) -> Draft:
+    """A lookup draft up to its first token whose confidence is below LOOKUP_MIN_CONFIDENCE (all of an unscored
+    one)."""
+    if draft.confidence is None:
+        return draft
+    unsure = np.flatnonzero(draft.confidence < LOOKUP_MIN_CONFIDENCE)
+    return draft.head(int(unsure[0])) if len(unsure) else draft
 
 
 def merge_drafts(first: Draft, second: Draft, max_nodes: int, merge_equal: bool) -> Draft:
