@@ -68,6 +68,24 @@ def test_argmax_equals_the_full_logits_argmax_where_8_bit_scores_alone_would_not
     assert wrong_by_scores > 0  # the data does exercise the exact stage
 
 
+def test_sums_are_exact_where_u8_s8_pairs_would_saturate_an_int16():
+    """The worst case for CPUs without VNNI (their u8 x s8 kernel adds pairs of products into a saturating int16):
+    every activation and weight code at its largest. Column 0 is all 1.0 and the true argmax for all-positive rows;
+    column 1 is 0.6 but for one 1.0 entry (so its codes are smaller); 8-bit activations saturated column 0's pairs
+    and picked column 1 on such CPUs, the 7-bit ones keep every sum exact."""
+    D = 64
+    head = np.full((D, 3), 0.6, dtype=np.float32)
+    head[:, 0] = 1.0
+    head[0, 1] = head[0, 2] = 1.0
+    head[:, 2] *= -1
+    sess = _head_session(head)
+    for value in (1.0, 3.0, 1e-3):
+        normed = np.full((1, 2, D), value, dtype=np.float32)  # [B,T,D]
+        argmax, logits = sess.run(None, {"normed": normed, ARGMAX_ROWS: np.arange(2, dtype=np.int64)})
+        np.testing.assert_array_equal(logits.argmax(-1), [[0, 0]])
+        np.testing.assert_array_equal(argmax, [[0, 0]])
+
+
 def test_any_subset_of_rows_and_none():
     rng = np.random.default_rng(2)
     head = rng.standard_normal((16, 90)).astype(np.float32)
@@ -148,23 +166,29 @@ def test_batched_greedy_rows_read_choices_not_logits(tiny_bundle):
             np.testing.assert_array_equal(choices[r], logits[r].argmax(-1))
 
 
-def test_new_bundles_are_format_2_and_format_1_still_loads(tiny_bundle, tmp_path):
-    """A runtime that knows only format 1 would not feed argmax_rows: new bundles say 2, and this one reads both."""
+def test_new_bundles_are_format_3_and_older_bundles_with_the_8_bit_path_are_refused(tiny_bundle, tmp_path):
+    """A runtime that knows only format 1 would not feed argmax_rows, and format 2's path overflows on CPUs without
+    VNNI: new bundles say 3; a format-2 target with the path is one clear error, one without it still loads."""
     import json
     import shutil
 
     from specdec.errors import SpecdecError
 
-    assert read_manifest(tiny_bundle).version == 2
+    assert read_manifest(tiny_bundle).version == 3
     old = tmp_path / "old"
     shutil.copytree(tiny_bundle, old)
     m = json.loads((old / "specdec.json").read_text())
-    m["version"] = 1
+    m["version"] = 2
     (old / "specdec.json").write_text(json.dumps(m))
-    assert read_manifest(old).version == 1
-    m["version"] = 3
+    with pytest.raises(SpecdecError, match="overflow on CPUs without VNNI.*re-export"):
+        read_manifest(old)
+    target = m["graphs"]["target"]
+    target["inputs"].remove(ARGMAX_ROWS)  # a format-2 bundle of a quantized head: no path, still readable
     (old / "specdec.json").write_text(json.dumps(m))
-    with pytest.raises(SpecdecError, match="reads versions 1, 2"):
+    assert read_manifest(old).version == 2
+    m["version"] = 4
+    (old / "specdec.json").write_text(json.dumps(m))
+    with pytest.raises(SpecdecError, match="reads versions 1, 2, 3"):
         read_manifest(old)
 
 

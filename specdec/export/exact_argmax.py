@@ -5,7 +5,7 @@ Why: at batch 1 a decode step reads every weight once, and a tied LM head is a l
 113 MB of 540, 21%; models with 128k-256k vocabularies more). Greedy verification needs only each row's argmax.
 
 How, per row h [D] (the final-normed hidden state) and head W [D,V]:
-1. h is written as two int8 levels, h ~= qa*sa + qa2*sa2 (qa2 rounds what qa leaves), so |h - h_hat| <= sa2/2;
+1. h is written as two 7-bit levels, h ~= qa*sa + qa2*sa2 (qa2 rounds what qa leaves), so |h - h_hat| <= sa2/2;
    W as int8 per column, W_hat[:,j] = qW[:,j]*sW[j], so |W - W_hat| <= sW[j]/2.
 2. One MatMulInteger over the 2 x rows reads the 8-bit head (a quarter of the fp32 bytes): approx_j = h_hat.W_hat[:,j].
 3. |h.W[:,j] - approx_j| <= sa2/2 * sum_i |W_ij| + sW[j]/2 * sum_i |h_hat_i| (+ a margin for float rounding)
@@ -21,6 +21,12 @@ Only targets whose head stays fp32 get the path (fp32 exports, the default int4)
 activations here because that is CPUs' fast pairing (u8 x s8: 0.9 ms for the default model's head; s8 x s8 runs
 ~50x slower on onnxruntime's CPU kernels); onnxruntime's CUDA kernel takes int8 only, so on a GPU this one node
 would run on the CPU. GPU device profiles export fp16 targets, which do not have the path.
+
+Why 7 bits: on x86 CPUs without VNNI (AVX2 laptops, AMD before Zen 4) onnxruntime's u8 x s8 kernel multiplies
+with VPMADDUBSW, which adds each pair of u8*s8 products into an int16 and saturates: 2 * 255 * 127 overflows it,
+and the sums came out wrong by up to 1e5 (tests/test_exact_argmax.py checks a worst case). Activation codes in
+[0, 127] keep every pair within 2 * 127 * 127 = 32,258 < 32,767, so the sums are exact on every CPU; the second
+level still makes the activation error ~1/(63*63) of a row's largest value, far below the weights' own.
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ PREFIX = "exact_argmax"
 # ~1e-6 relative on logits of magnitude < 100) and of the exact logits themselves (~1e-5). 100x that, and still
 # small next to the bounds themselves (~1.7 logits on the default model), so it costs almost no candidates.
 ROUNDING_MARGIN = 1e-2
+# Activation codes span [-63, 63], stored as u8 [1, 127] with zero point 64: see "Why 7 bits" above.
+ACTIVATION_LEVELS = 63
 TINY = 1e-30  # a scale of an all-zero row: 0/TINY = 0
 
 
@@ -65,7 +73,7 @@ def add_exact_argmax(b, normed: str, head_name: str, head: np.ndarray, output: s
     q_head = const("head.codes", codes, np.int8)  # [D,V]
     half_scale = const("head.half_scale", scales / 2, np.float32)  # [V]
     half_l1 = const("head.half_l1", col_l1 / 2, np.float32)  # [V]
-    level, tiny, margin = const("level", 127.0, np.float32), const("tiny", TINY, np.float32), \
+    level, tiny, margin = const("level", float(ACTIVATION_LEVELS), np.float32), const("tiny", TINY, np.float32), \
         const("margin", ROUNDING_MARGIN, np.float32)
     axis_last = const("axis_last", [-1], np.int64)  # ReduceSum's axes (an input); ReduceMax takes attributes
 
@@ -74,7 +82,7 @@ def add_exact_argmax(b, normed: str, head_name: str, head: np.ndarray, output: s
     h = op("Reshape", [rows, const("flat", [-1, D], np.int64)], "h")  # [BA,D]
 
     def level_of(x: str, tag: str) -> tuple[str, str]:
-        """(codes as floats in [-127, 127], scale [BA,1]) of x, per row."""
+        """(codes as floats in [-ACTIVATION_LEVELS, ACTIVATION_LEVELS], scale [BA,1]) of x, per row."""
         scale = op("Max", [op("Div", [op("ReduceMax", [op("Abs", [x], f"{tag}.abs")], f"{tag}.absmax",
                                          axes=[-1], keepdims=1), level], f"{tag}.scale0"), tiny], f"{tag}.scale")  # [BA,1]
         return op("Round", [op("Div", [x, scale], f"{tag}.scaled")], f"{tag}.codes"), scale
@@ -83,10 +91,11 @@ def add_exact_argmax(b, normed: str, head_name: str, head: np.ndarray, output: s
     qa_sa = op("Mul", [qa, sa], "a1.value")  # [BA,D]
     qa2, sa2 = level_of(op("Sub", [h, qa_sa], "a1.rest"), "a2")
     h_hat = op("Add", [qa_sa, op("Mul", [qa2, sa2], "a2.value")], "h_hat")  # [BA,D]
-    # Both levels in one MatMulInteger: u8 activations (codes + 128, zero point 128) x s8 weights, VNNI's pair.
-    stacked = op("Cast", [op("Add", [op("Concat", [qa, qa2], "levels", axis=0), const("offset", 128.0, np.float32)],
+    # Both levels in one MatMulInteger: u8 activations in [0, 127] (codes + zero point) x s8 weights.
+    zero = ACTIVATION_LEVELS + 1
+    stacked = op("Cast", [op("Add", [op("Concat", [qa, qa2], "levels", axis=0), const("offset", float(zero), np.float32)],
                                 "levels.shifted")], "levels.u8", to=TensorProto.UINT8)  # [2BA,D]
-    dots = op("Cast", [op("MatMulInteger", [stacked, q_head, const("zero_point", 128, np.uint8)], "dots.i32")],
+    dots = op("Cast", [op("MatMulInteger", [stacked, q_head, const("zero_point", zero, np.uint8)], "dots.i32")],
               "dots", to=TensorProto.FLOAT)  # [2BA,V], exact integers (< 2^24)
     dots1, dots2 = _halves(b, dots, n)
     column_scale = const("head.scale", scales, np.float32)  # [V]

@@ -18,9 +18,12 @@ from specdec.errors import SpecdecError
 MANIFEST_NAME = "specdec.json"
 FORMAT = "specdec-bundle"
 # 2: a target graph may take `argmax_rows` (export/exact_argmax.py), which a runtime reading only version 1 would
-# not feed. This runtime reads both; what it writes is version 2.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# not feed. 3: that path's activations are 7-bit; version 2's 8-bit ones overflow onnxruntime's u8 x s8 kernel
+# on CPUs without VNNI and pick wrong tokens there, so a version-2 bundle with the path is refused (re-export).
+# This runtime reads 1 to 3; what it writes is version 3.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+ARGMAX_ROWS_SINCE = 3  # the first version whose argmax_rows path is exact on every CPU
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 # Precisions whose graphs need a GPU to be worth running: the CPU provider has fp16 kernels, but they are
 # slower than fp32 there (FACTS: 100 vs 44 us for one attention node) and less exact.
@@ -228,6 +231,9 @@ class Manifest:
                  f"bundle format version {self.version}, this specdec reads versions "
                  f"{', '.join(map(str, READABLE_VERSIONS))}")
         _require("target" in self.graphs, "graphs has no 'target'")
+        _require(self.version >= ARGMAX_ROWS_SINCE or not any(g.has_argmax_rows for g in self.graphs.values()),
+                 f"bundle format version {self.version} takes greedy choices from 8-bit scores that overflow on CPUs "
+                 "without VNNI")
         if self.drafter.graph is not None:
             _require(self.drafter.graph in self.graphs, f"drafter.graph {self.drafter.graph!r} is not in graphs")
         for name, g in self.graphs.items():
