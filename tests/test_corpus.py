@@ -198,7 +198,7 @@ def test_drafts_carry_a_confidence_that_learns_from_what_the_target_kept(monkeyp
     that long a match (1 at first); a drafted token the target did not keep lowers it, whether it was rejected or
     cut before verification (the target's own token tells which)."""
     import specdec.runtime.drafters.corpus as corpus_module
-    from specdec.runtime.drafters.corpus import PRIOR_TRIALS
+    from specdec.runtime.drafters.base import PRIOR_TRIALS
 
     monkeypatch.setattr(corpus_module, "CONFIDENCE_WEIGHTS", {"bias": 0.0, "share": 2.0, "log_voters": 0.0, "depth": 0.0,
                                                               "runner_up": 0.0, "matched": (0.0, 0.0, 0.0, 0.0)})
@@ -287,6 +287,31 @@ def test_adaptive_cut_keeps_what_pays_for_its_verification():
         Draft(tokens=np.array([5]), confidence=np.array([1.5]))
     with pytest.raises(ValueError, match="one value per token"):
         Draft(tokens=np.array([5, 6]), confidence=np.array([0.5]))
+
+
+def test_adaptive_cut_keeps_the_tree_nodes_that_pay_for_their_verification():
+    """Hand-computed, costs as above. Tree: a (0.9) and b (0.05) under the root, c (0.9) under a, d (0.1) under c,
+    e (0.08) under a; reach 0.9, 0.05, 0.81, 0.081, 0.072. Best four by reach a, c, d, e: expected tokens 1, 1.9,
+    2.71, 2.791, 2.863 per cost 1, 1.267, 1.694, 1.642, 1.432: keep a, c. With b at 0.5 (reach 0.5): a, c, b, d
+    give 1, 1.9, 2.71, 3.21, 3.291 per cost 1, 1.267, 1.694, 1.888, 1.646: keep a, c, b."""
+    from specdec.runtime.draft_len import AdaptiveDraftLen, FixedDraftLen
+    from specdec.runtime.drafters.base import Draft
+
+    policy = AdaptiveDraftLen(verify_s=[1.0, 1.5, 1.6, 1.7, 2.0], draft_s=0.0)
+    parents = np.array([-1, -1, 0, 2, 0])
+    tree = Draft(tokens=np.array([10, 11, 12, 13, 14]), parents=parents, confidence=np.array([0.9, 0.05, 0.9, 0.1, 0.08]))
+    np.testing.assert_allclose(tree.reach(), [0.9, 0.05, 0.81, 0.081, 0.072])
+    kept = policy.cut(tree)
+    assert kept.tokens.tolist() == [10, 12] and kept.parents.tolist() == [-1, 0]
+    np.testing.assert_allclose(kept.confidence, [0.9, 0.9])
+    wide = Draft(tokens=tree.tokens, parents=parents, confidence=np.array([0.9, 0.5, 0.9, 0.1, 0.08]))
+    kept = policy.cut(wide)
+    assert kept.tokens.tolist() == [10, 11, 12] and kept.parents.tolist() == [-1, -1, 0]
+    assert FixedDraftLen(4).cut(tree) is tree  # a fixed length verifies the tree its drafter built
+    shaky = Draft(tokens=np.array([5, 6]), parents=np.array([-1, -1]), confidence=np.array([0.2, 0.2]))
+    assert policy.cut(shaky).k == 0 and policy.cut(shaky).parents is None  # nothing pays: a plain step
+    with pytest.raises(ValueError, match="parent was not kept"):
+        tree.subtree(np.array([0, 3]))
 
 
 @pytest.mark.parametrize("probing", [True, False])

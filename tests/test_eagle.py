@@ -456,7 +456,7 @@ def test_hybrids_of_a_bundle_with_a_corpus_draft_from_it_and_stay_plain_greedy(e
         plain = eng.generate(prompt, GenerationConfig(max_new_tokens=40, draft_len=0))
         for k in (3, "auto"):
             assert eng.generate(prompt, GenerationConfig(max_new_tokens=40, draft_len=k)).token_ids == plain.token_ids
-    from specdec.runtime.drafters.corpus import PRIOR_TRIALS
+    from specdec.runtime.drafters.base import PRIOR_TRIALS
 
     # The lookup side was told how its drafts fared.
     assert any(r.scores > PRIOR_TRIALS for r in eng.drafter.lookup.reliability.values())
@@ -478,3 +478,45 @@ def test_several_data_folders_train_together(tiny_distill_data, tmp_path):
     assert len(two) == 2 * len(one)
     assert eagle_mod._data_digest([tiny_distill_data]) == eagle_mod._data_digest(tiny_distill_data)
     assert eagle_mod._data_digest([tiny_distill_data, tiny_distill_data]) != eagle_mod._data_digest(tiny_distill_data)
+
+
+def test_greedy_drafts_are_judged_by_the_targets_tokens_whether_verified_or_not():
+    """Hand-computed: the chain [5, 6, 7] with a leaf beside each of its first two tokens, judged by what the
+    target emitted after the draft point."""
+    from specdec.runtime.drafters.eagle import judged_nodes
+
+    chain, scores, leaves = [5, 6, 7], [0.9, 0.5, 0.4], [(8, 0, 0.05), (9, 1, 0.3)]
+    assert judged_nodes(chain, scores, leaves, [5, 9]) == [
+        ("chain", True, 0.9), ("leaf", False, 0.05), ("chain", False, 0.5), ("leaf", True, 0.3)]
+    assert judged_nodes(chain, scores, leaves, [5, 6, 7, 1]) == [
+        ("chain", True, 0.9), ("leaf", False, 0.05), ("chain", True, 0.5), ("leaf", False, 0.3), ("chain", True, 0.4)]
+    assert judged_nodes(chain, scores, leaves, [4]) == [("chain", False, 0.9), ("leaf", False, 0.05)]
+    assert judged_nodes(chain, scores, leaves, []) == []
+
+
+def test_eagle_confidences_are_calibrated_on_what_the_target_keeps(eagle_bundle):
+    """Greedy EAGLE learns how its scores translate (chain nodes and leaves apart) across rounds and sequences, and
+    its drafts carry the calibrated confidences: score times rate, at most 1."""
+    from specdec.runtime.drafters.base import PRIOR_TRIALS
+
+    eng = specdec.load(eagle_bundle, drafter="eagle-tree")
+    eng.generate("the quick brown fox", GenerationConfig(max_new_tokens=24, draft_len=4))
+    drafter = eng.drafter
+    chain, leaf = drafter.calibration["chain"], drafter.calibration["leaf"]
+    assert chain.scores > PRIOR_TRIALS and leaf.scores > PRIOR_TRIALS
+    assert chain.rate == pytest.approx(chain.hits / chain.scores)
+    seen = []
+    propose = drafter.propose
+
+    def watched(context, k):
+        draft = propose(context, k)
+        if draft.k:  # node 0 is the chain's first token; the rates are those the draft was scored with
+            seen.append((draft.confidence[0], drafter._pending[1][0] * chain.rate))
+        return draft
+
+    drafter.propose = watched
+    eng.generate("speculative decoding drafts", GenerationConfig(max_new_tokens=24, draft_len=4))
+    assert seen
+    for confidence, calibrated in seen:
+        assert confidence == pytest.approx(min(calibrated, 1.0))
+

@@ -50,13 +50,13 @@ class DraftLenPolicy(Protocol):
         """Tokens to draft this round (<= limit) from `source` (the drafter's, see Drafter.source)."""
 
     def update(self, k: int, n_accepted: int, draft_s: float | None = None,
-               verify_s: float | None = None, source: str = "") -> None:
-        """After a round that drafted k tokens from `source`: how many were accepted, and (if timed) what
-        drafting and the k+1-token verification took."""
+               verify_s: float | None = None, source: str = "", width: int | None = None) -> None:
+        """After a round that drafted k tokens deep from `source`: how many were accepted, and (if timed) what
+        drafting and the verification of `width` drafted tokens (default k; a tree's node count) took."""
 
     def cut(self, draft: Draft, source: str = "") -> Draft:
-        """The part of a drafted chain (from `source`) worth verifying: the whole draft unless it carries
-        confidences, which the policy weighs."""
+        """The part of a draft (from `source`) worth verifying: the whole draft unless it carries confidences,
+        which the policy weighs."""
 
 
 @dataclass
@@ -77,7 +77,7 @@ class FixedDraftLen:
         return draft.head(int(unlikely[0])) if len(unlikely) else draft
 
     def update(self, k: int, n_accepted: int, draft_s: float | None = None,
-               verify_s: float | None = None, source: str = "") -> None:
+               verify_s: float | None = None, source: str = "", width: int | None = None) -> None:
         pass
 
 
@@ -135,18 +135,23 @@ class AdaptiveDraftLen:
         survives with the product of the confidences up to it: on a CPU the first drafted token widens the step
         most (fp32 SmolLM2 on 2 cores: 20.3 / 24.0 / 24.8 / 25.6 / 27.1 ms at T = 1..5), so a shaky draft is
         better dropped whole, and a sure one run long."""
-        if draft.confidence is None or draft.parents is not None or draft.k == 0:
+        if draft.confidence is None or draft.k == 0:
             return draft
         self._scored.add(source)
-        reach = np.cumprod(draft.confidence[: self.k_max])  # [d] P(tokens 0..i all accepted)
-        expected = 1.0 + np.concatenate([[0.0], np.cumsum(reach)])  # [d+1] tokens per round if d are kept
+        reach = draft.reach()  # [n] P(token i accepted)
+        # The nodes by reach, a parent before its children where they tie (a child never reaches further than
+        # its parent, so every leading set is a tree); a chain's are in order already.
+        order = np.lexsort((np.arange(len(reach)), -reach))[: self.k_max]  # [d]
+        expected = 1.0 + np.concatenate([[0.0], np.cumsum(reach[order])])  # [d+1] tokens per round if d are kept
         # A wider step never costs less: the running maximum irons out timing noise that would otherwise make
         # some width look like a bargain.
         cost = np.maximum.accumulate(np.asarray(self.verify_s[: len(expected)]))  # [d+1]
         d = int(np.argmax(expected / cost))
-        if d < len(reach) and self._stale(d + 1):
+        if d < len(order) and self._stale(d + 1):
             d += 1
-        return draft.head(d)
+        if draft.parents is None:
+            return draft.head(d)
+        return draft.subtree(order[:d]) if d else Draft(tokens=np.zeros(0, dtype=np.int64))
 
     def _stale(self, k: int) -> bool:
         """Whether no round has timed a k-token draft's step for PROBE_STALE_ROUNDS rounds (then one should). Never
@@ -173,14 +178,15 @@ class AdaptiveDraftLen:
         return k
 
     def update(self, k: int, n_accepted: int, draft_s: float | None = None,
-               verify_s: float | None = None, source: str = "") -> None:
+               verify_s: float | None = None, source: str = "", width: int | None = None) -> None:
         self._rounds += 1
-        if verify_s is not None and k < len(self.verify_s):
-            self._timed[k] = self._rounds
-            if verify_s < self.verify_s[k] / 2:  # a stale estimate (timed on a busy machine): start afresh
-                self.verify_s[k] = verify_s
+        width = k if width is None else width
+        if verify_s is not None and width < len(self.verify_s):
+            self._timed[width] = self._rounds
+            if verify_s < self.verify_s[width] / 2:  # a stale estimate (timed on a busy machine): start afresh
+                self.verify_s[width] = verify_s
             else:
-                self.verify_s[k] += COST_EMA * (verify_s - self.verify_s[k])
+                self.verify_s[width] += COST_EMA * (verify_s - self.verify_s[width])
         if k == 0:
             return
         est = self.estimate(source)

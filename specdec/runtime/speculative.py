@@ -132,7 +132,8 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
             if proposed:
                 drafter.accept(n_accepted, token)
             if drafter is not None:  # the policy learns costs from plain rounds (k = 0) too
-                draft_len.update(draft.k, n_accepted, t_drafted - t_round, t_verified - t_drafted, source)
+                draft_len.update(draft.k, n_accepted, t_drafted - t_round, t_verified - t_drafted, source,
+                                 width=len(draft.tokens))
             stats.record(draft.k, n_accepted)
             new = [*map(int, draft.tokens[accepted]), token]
             context += new

@@ -6,7 +6,7 @@ and which token the target emitted after them. A drafter never sees the target's
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -30,8 +30,8 @@ class Draft:
     # A token tree: node i hangs under node parents[i], -1 being the round's input token. None: a chain, each
     # token under the one before. The target verifies every node in one step (tree attention mask).
     parents: np.ndarray | None = None  # [k] int64
-    # The drafter's estimate that token i is accepted once tokens < i were (chains only). An adaptive draft
-    # length cuts the chain where verifying more costs more than it is expected to yield (draft_len.py).
+    # The drafter's estimate that token i is accepted once its parent was (a chain's: the tokens before it). An
+    # adaptive draft length keeps the nodes worth their verification's cost (draft_len.py).
     confidence: np.ndarray | None = None  # [k] float64 in [0, 1]
 
     def __post_init__(self) -> None:
@@ -46,8 +46,8 @@ class Draft:
                 f"p_draft has {self.p_draft.shape[0]} rows for {self.tokens.shape[0]} draft tokens"
             )
         if self.confidence is not None:
-            if self.parents is not None or self.confidence.shape != self.tokens.shape:
-                raise ValueError("confidence is one value per token of a chain draft")
+            if self.confidence.shape != self.tokens.shape:
+                raise ValueError("confidence is one value per token of the draft")
             if not ((self.confidence >= 0) & (self.confidence <= 1)).all():
                 raise ValueError("confidence values are probabilities in [0, 1]")
 
@@ -58,6 +58,33 @@ class Draft:
         return Draft(tokens=self.tokens[:n], p_draft=None if self.p_draft is None else self.p_draft[:n],
                      confidence=None if self.confidence is None else self.confidence[:n])
 
+    def reach(self) -> np.ndarray:
+        """P(token i is accepted) [k]: the product of the confidences from the root down to it. Accepted paths
+        start at the root, so the expected number of accepted tokens is reach().sum()."""
+        if self.confidence is None:
+            raise ValueError("reach() needs a scored draft")
+        if self.parents is None:
+            return np.cumprod(self.confidence)
+        reach = np.empty(len(self.tokens))  # [k]
+        for i, parent in enumerate(self.parents):  # parents precede children
+            reach[i] = self.confidence[i] * (1.0 if parent < 0 else reach[parent])
+        return reach
+
+    def subtree(self, keep: np.ndarray) -> "Draft":
+        """The tree's nodes `keep` (indices; every kept node's parent kept too), in their order."""
+        keep = np.sort(np.asarray(keep, dtype=np.int64))
+        if self.parents is None:
+            raise ValueError("subtree() prunes trees; a chain is cut with head()")
+        index = np.full(len(self.tokens) + 1, -2, dtype=np.int64)  # old node (+1, so -1 -> 0) -> new index
+        index[0] = -1
+        index[keep + 1] = np.arange(len(keep))
+        parents = index[self.parents[keep] + 1]  # [n]
+        if (parents == -2).any():
+            raise ValueError("a kept node's parent was not kept")
+        return Draft(tokens=self.tokens[keep], parents=parents,
+                     p_draft=None if self.p_draft is None else self.p_draft[keep],
+                     confidence=None if self.confidence is None else self.confidence[keep])
+
     @property
     def k(self) -> int:
         """Draft length: the number of tokens, or a tree's depth (the most it can get accepted)."""
@@ -66,30 +93,64 @@ class Draft:
         return int(tree_depths(self.parents).max(initial=0))
 
 
+# Weight of a prior, in tokens tried: ~a dozen rounds of evidence outweigh it.
+PRIOR_TRIALS = 30
+
+
+@dataclass
+class Reliability:
+    """Running acceptance of one kind of draft token relative to the drafter's score for it (a corpus token's
+    fitted probability, 1 for a lookup token, an EAGLE head's softmax probability): accepted tokens over the
+    scores of the tokens tried. A token's confidence is its score times the rate, which calibrates the scores on
+    the prompts this drafter actually meets.
+    Starts as if PRIOR_TRIALS tokens had been tried at the prior rate, so one round cannot swing it."""
+
+    prior: float
+    hits: float = field(init=False)
+    scores: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hits, self.scores = PRIOR_TRIALS * self.prior, float(PRIOR_TRIALS)
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.scores
+
+    def learn(self, hit: bool, score: float) -> None:
+        self.hits += hit
+        self.scores += score
+
+
 def chain_with_leaves(chain: np.ndarray, leaves: list[tuple[int, int]], room: int,
-                      p_chain: np.ndarray | None = None, p_leaves: list[np.ndarray] | None = None) -> Draft:
+                      p_chain: np.ndarray | None = None, p_leaves: list[np.ndarray] | None = None,
+                      c_chain: np.ndarray | None = None, c_leaves: list[float] | None = None) -> Draft:
     """A tree draft: the chain, and beside its token at each depth that depth's leaves (token, depth index), hung
     under the previous chain node; parents before children. Nodes past `room` (the cache's free slots) are left
-    out. Sampled drafts give each node's law: p_chain [len(chain), vocab] and p_leaves (one row per leaf)."""
+    out. Sampled drafts give each node's law: p_chain [len(chain), vocab] and p_leaves (one row per leaf); scored
+    ones each node's confidence: c_chain [len(chain)] and c_leaves (one per leaf)."""
     tokens: list[int] = []
     parents: list[int] = []
     rows: list[np.ndarray] = []
+    scores: list[float] = []
     above = -1  # the previous chain node (-1: the root)
     for depth, t in enumerate(chain):
         if len(tokens) >= room:
             break
         here = len(tokens)
-        nodes = [(int(t), None if p_chain is None else p_chain[depth])]
-        nodes += [(tok, None if p_leaves is None else p_leaves[j]) for j, (tok, d) in enumerate(leaves) if d == depth]
-        for token, row in nodes:
+        nodes = [(int(t), None if p_chain is None else p_chain[depth], None if c_chain is None else c_chain[depth])]
+        nodes += [(tok, None if p_leaves is None else p_leaves[j], None if c_leaves is None else c_leaves[j])
+                  for j, (tok, d) in enumerate(leaves) if d == depth]
+        for token, row, score in nodes:
             if len(tokens) < room:
                 tokens.append(token)
                 parents.append(above)
                 rows.append(row)
+                scores.append(score)
         above = here
     p_draft = None if p_chain is None else np.asarray(rows, dtype=np.float32).reshape(len(tokens), p_chain.shape[1])
     return Draft(tokens=np.asarray(tokens, dtype=np.int64), p_draft=p_draft,
-                 parents=np.asarray(parents, dtype=np.int64))
+                 parents=np.asarray(parents, dtype=np.int64),
+                 confidence=None if c_chain is None else np.asarray(scores, dtype=np.float64))
 
 
 def sample_with_siblings(p_small: np.ndarray, extra: int, vocab: np.ndarray, vocab_size: int,

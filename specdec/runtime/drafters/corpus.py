@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from specdec.errors import SpecdecError
-from specdec.runtime.drafters.base import Draft
+from specdec.runtime.drafters.base import Draft, Reliability
 from specdec.runtime.drafters.hybrid import LOOKUP_MIN_NGRAM
 from specdec.runtime.drafters.ngram import NgramDrafter
 from specdec.runtime.sampling import SamplingConfig
@@ -156,29 +156,6 @@ class Continuation:
         return 1.0 / (1.0 + np.exp(-z))
 
 
-@dataclass
-class Reliability:
-    """Running acceptance of one kind of draft token (a source and match length) relative to the drafter's score
-    for it (a corpus token's fitted probability, or 1 for a lookup token): accepted tokens over the scores of the
-    tokens tried.
-    Starts as if PRIOR_TRIALS tokens had been tried at the prior rate, so one round cannot swing it."""
-
-    prior: float
-    hits: float = field(init=False)
-    scores: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.hits, self.scores = PRIOR_TRIALS * self.prior, float(PRIOR_TRIALS)
-
-    @property
-    def rate(self) -> float:
-        return self.hits / self.scores
-
-    def learn(self, hit: bool, score: float) -> None:
-        self.hits += hit
-        self.scores += score
-
-
 # Prior acceptance of a prompt-lookup token by match length (2, 3 or more), measured on specdec's own held-out
 # prompts (bench/results/own_heldout_broad.jsonl, 26 greedy answers, 2,820 tokens; never Spec-Bench's questions).
 # A corpus token's score is already a probability (CONFIDENCE_WEIGHTS), so its kinds start at 1. They only start
@@ -186,8 +163,6 @@ class Reliability:
 # further from the corpus than specdec's own prompts, so there the corpus kinds' rates fall below 1).
 LOOKUP_PRIOR = {2: 0.55, 3: 0.78}
 CORPUS_KINDS = 4  # matched context lengths 1..4+ learnt apart
-# Weight of a prior, in tokens tried: ~a dozen rounds of evidence outweigh it.
-PRIOR_TRIALS = 30
 
 
 class CorpusDrafter:

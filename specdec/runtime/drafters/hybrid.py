@@ -101,9 +101,10 @@ def merge_drafts(first: Draft, second: Draft, max_nodes: int, merge_equal: bool)
     node whose parent was cut goes too).
 
     merge_equal (greedy): a node of `second` equal to a sibling already in the tree is that node, so shared
-    prefixes are verified once. Sampling keeps every node apart: each node's row must stay the law it was drawn
-    from, and a duplicate is simply rejected (the residual has no mass left on its token). A deterministic
-    draft's nodes (p_draft None) get one-hot rows when the other draft samples.
+    prefixes are verified once (its confidence the higher of the two). Sampling keeps every node apart: each
+    node's row must stay the law it was drawn from, and a duplicate is simply rejected (the residual has no mass
+    left on its token). A deterministic draft's nodes (p_draft None) get one-hot rows when the other draft
+    samples. The tree is scored only when both drafts are.
     """
     def nodes(d: Draft) -> tuple[np.ndarray, np.ndarray]:
         parents = d.parents if d.parents is not None else np.arange(d.tokens.shape[0]) - 1  # a chain
@@ -111,9 +112,11 @@ def merge_drafts(first: Draft, second: Draft, max_nodes: int, merge_equal: bool)
 
     sampled = [d.p_draft for d in (first, second) if d.p_draft is not None]
     vocab = sampled[0].shape[1] if sampled else 0
+    scored = first.confidence is not None and second.confidence is not None
     tokens: list[int] = []
     parents: list[int] = []
     rows: list[np.ndarray] = []
+    scores: list[float] = []
     for d in (first, second):
         where: dict[int, int] = {}  # d's node -> merged node
         for i, (token, parent) in enumerate(zip(*nodes(d))):
@@ -123,12 +126,16 @@ def merge_drafts(first: Draft, second: Draft, max_nodes: int, merge_equal: bool)
             same = [j for j in range(len(tokens)) if parents[j] == up and tokens[j] == token] if merge_equal else []
             if same:
                 where[i] = same[0]
+                if scored:
+                    scores[same[0]] = max(scores[same[0]], float(d.confidence[i]))
                 continue
             if len(tokens) >= max_nodes:
                 continue
             where[i] = len(tokens)
             tokens.append(int(token))
             parents.append(up)
+            if scored:
+                scores.append(float(d.confidence[i]))
             if sampled:
                 if d.p_draft is None:
                     row = np.zeros(vocab, dtype=np.float32)  # [vocab]
@@ -138,4 +145,5 @@ def merge_drafts(first: Draft, second: Draft, max_nodes: int, merge_equal: bool)
                 rows.append(row)
     return Draft(tokens=np.asarray(tokens, dtype=np.int64),
                  p_draft=np.asarray(rows, dtype=np.float32).reshape(len(tokens), vocab) if sampled else None,
-                 parents=np.asarray(parents, dtype=np.int64))
+                 parents=np.asarray(parents, dtype=np.int64),
+                 confidence=np.asarray(scores, dtype=np.float64) if scored else None)
