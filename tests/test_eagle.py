@@ -402,9 +402,10 @@ class _FixedModel(_ScoredLookup):
 
 
 def test_hybrid_trusts_a_scored_lookup_up_to_its_first_unsure_token_and_learns_from_what_was_emitted():
-    from specdec.runtime.drafters.hybrid import LOOKUP_MIN_CONFIDENCE, HybridDrafter
+    from specdec.runtime.drafters.base import MIN_CONFIDENCE
+    from specdec.runtime.drafters.hybrid import HybridDrafter
 
-    sure, unsure = 0.9, LOOKUP_MIN_CONFIDENCE / 2
+    sure, unsure = 0.9, MIN_CONFIDENCE / 2
     lookup = _ScoredLookup([([5, 6, 7], [sure, sure, unsure]), ([8], [unsure]), ([1], [sure])])
     model = _FixedModel([([5, 9], None), ([4, 4], None), ([2], None)])
     hybrid = HybridDrafter(lookup, model, room=lambda: 16)

@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from specdec.runtime.drafters.base import Draft
+from specdec.runtime.drafters.base import MIN_CONFIDENCE, Draft
 
 # Weight of the newest round in the running acceptance estimate: ~10 rounds of memory, so the
 # policy follows a prompt that switches from copying (n-gram hits) to free writing within a sentence.
@@ -38,11 +38,6 @@ PROBE_EVERY = 8
 PROBE_STALE_ROUNDS = 32
 # Timing repetitions per step width at calibration; the median of 3 is robust to one scheduler hiccup.
 CALIBRATION_REPS = 3
-# A fixed draft length verifies a scored draft (one whose tokens carry confidences) up to the first token below
-# this: with no step costs to weigh, a token this unlikely is not worth a wider step. Replaying 52 greedy
-# Spec-Bench answers through the corpus drafter at k = 4: 1.60x modelled with it, 1.52x without (fp32 step costs
-# on 2 cores), 1.51x against 1.36x with the fast int4 bundle's steeper ones. The adaptive cut weighs costs instead.
-MIN_CONFIDENCE = 0.3
 
 
 class DraftLenPolicy(Protocol):
@@ -71,10 +66,7 @@ class FixedDraftLen:
         return min(self.k, limit)
 
     def cut(self, draft: Draft, source: str = "") -> Draft:
-        if draft.confidence is None or draft.parents is not None:
-            return draft  # a fixed length verifies what the drafter proposed
-        unlikely = np.flatnonzero(draft.confidence < MIN_CONFIDENCE)
-        return draft.head(int(unlikely[0])) if len(unlikely) else draft
+        return draft.sure(MIN_CONFIDENCE)  # a fixed length verifies what the drafter proposed, but sure tokens only
 
     def update(self, k: int, n_accepted: int, draft_s: float | None = None,
                verify_s: float | None = None, source: str = "", width: int | None = None) -> None:

@@ -18,10 +18,6 @@ from specdec.runtime.sampling import SamplingConfig
 # Shortest n-gram match trusted over the draft model: a single repeated token predicts its old
 # continuation poorly, while the int8 self-draft agrees with the target ~95% of the time.
 LOOKUP_MIN_NGRAM = 2
-# A scored lookup draft (the corpus drafter's: a confidence per token) is trusted up to its first token below
-# this; the model drafts where nothing is left. As draft_len.MIN_CONFIDENCE (not imported: draft_len imports the
-# drafters), and for the same reason: a token this unlikely is not worth verifying on its own.
-LOOKUP_MIN_CONFIDENCE = 0.3
 
 
 class HybridDrafter:
@@ -47,7 +43,7 @@ class HybridDrafter:
 
     def source(self, context: Sequence[int]) -> str:
         self._settle(context)
-        if trusted(self.lookup.propose(context, 1)).k == 0:
+        if self.lookup.propose(context, 1).sure().k == 0:
             return "model"
         return "lookup" if self.room is None else "both"
 
@@ -56,7 +52,7 @@ class HybridDrafter:
         proposed = self.lookup.propose(context, k)
         if proposed.k:
             self._pending = (proposed.tokens.tolist(), len(context))
-        draft = trusted(proposed)
+        draft = proposed.sure()  # a scored lookup (the corpus drafter's) is trusted while sure; the model drafts after
         self._last = self.lookup
         if draft.k == 0:
             # The model drafter catches up on the tokens decided in lookup rounds inside propose().
@@ -85,15 +81,6 @@ class HybridDrafter:
             n += 1
         if n < len(emitted):
             self.lookup.accept(n, emitted[n])
-
-
-def trusted(draft: Draft) -> Draft:
-    """A lookup draft up to its first token whose confidence is below LOOKUP_MIN_CONFIDENCE (all of an unscored
-    one)."""
-    if draft.confidence is None:
-        return draft
-    unsure = np.flatnonzero(draft.confidence < LOOKUP_MIN_CONFIDENCE)
-    return draft.head(int(unsure[0])) if len(unsure) else draft
 
 
 def merge_drafts(first: Draft, second: Draft, max_nodes: int, merge_equal: bool) -> Draft:
