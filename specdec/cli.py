@@ -292,8 +292,10 @@ def corpus_cmd(bundle, data, keep):
 @click.argument("model", required=False)
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Folder of shards.")
 @click.option("--prompts-file", type=click.Path(path_type=Path), default=None,
-              help="Extra prompts, JSONL with 'prompt' or 'messages' (answered before the built-in ones).")
-@click.option("--n", "n_prompts", default=8000, show_default=True, help="Built-in instruction prompts.")
+              help="Extra prompts, JSONL with 'prompt' or 'messages' (answered before the built-in ones); "
+                   "'messages' ending in an assistant turn keep that answer (recorded, not generated).")
+@click.option("--n", "n_prompts", default=8000, show_default=True, type=click.IntRange(min=0),
+              help="Built-in instruction prompts (0: only the prompts file).")
 @click.option("--new-tokens", default=192, show_default=True, help="Answer tokens per prompt (at most).")
 @click.option("--batch", default=32, show_default=True, help="Prompts per generation batch (= per shard).")
 @click.option("--seed", default=0, show_default=True)

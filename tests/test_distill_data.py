@@ -9,8 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from specdec.errors import SpecdecError  # noqa: E402
-from specdec.export.distill_data import (DistillDataConfig, load_prompt_file, plan_prompts,  # noqa: E402
-                                        pre_norm_states, shard_path, write_distill_data)
+from specdec.export.distill_data import (DistillDataConfig, batched_pre_norm_states, load_prompt_file,  # noqa: E402
+                                        plan_prompts, pre_norm_states, shard_path, write_distill_data)
 
 CFG = DistillDataConfig(n_prompts=7, new_tokens=6, batch=3, seed=1)
 
@@ -90,6 +90,53 @@ def test_benchmark_prompts_are_kept_out_and_bad_files_named(tmp_path):
         load_prompt_file(f)
     with pytest.raises(SpecdecError, match="must be >= 1"):
         DistillDataConfig(batch=0)
+    f.write_text('{"prompt": "ok"}\n{"messages": [{"role": "assistant", "content": "no question"}]}\n')
+    with pytest.raises(SpecdecError, match="line 2 has neither"):
+        load_prompt_file(f)
+    f.write_text('{"messages": [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}]}\n')
+    with pytest.raises(SpecdecError, match="line 1 has neither"):
+        load_prompt_file(f)
+    with pytest.raises(SpecdecError, match="no prompts to answer"):
+        plan_prompts(DistillDataConfig(n_prompts=0), [], set())
+
+
+def test_batched_states_equal_one_sequence_at_a_time(target):
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 300, size=n) for n in (3, 17, 9, 17, 1, 30)]
+    batched = batched_pre_norm_states(target.model, seqs, batch_tokens=40)  # several batches, padded rows
+    for ids, states in zip(seqs, batched):
+        assert states.shape == (len(ids), target.model.config.hidden_size)
+        with torch.no_grad():
+            out = target.model(torch.from_numpy(ids)[None], output_hidden_states=True)
+            # transformers' last hidden state is after the final norm: apply it to ours to compare
+            normed = target.model.model.norm(torch.from_numpy(states)).numpy()
+        np.testing.assert_allclose(normed, out.hidden_states[-1][0].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_answered_conversations_are_recorded_as_given(target, tmp_path):
+    """A prompts file may hold the target's earlier answers: they are teacher-forced, not regenerated, laid out as
+    a generation would have written them, and kept in order beside prompts that are still answered."""
+    tok = target.tokenizer
+    asked = [{"role": "user", "content": "hello world"}]
+    answered = [{"role": "user", "content": "tiny tokenizer"}, {"role": "assistant", "content": "this is a test"}]
+    f = tmp_path / "conv.jsonl"
+    f.write_text("\n".join(json.dumps({"messages": c}) for c in (answered, asked, answered)) + "\n")
+    cfg = DistillDataConfig(n_prompts=0, new_tokens=5, batch=3)
+    plan = plan_prompts(cfg, load_prompt_file(f), set())
+    r = write_distill_data(target.model, target.tokenizer, tmp_path / "d", cfg, plan, "tiny")
+    assert r["shards"] == 1 and r["prompts"] == 3
+    s = _read(tmp_path / "d")[0]
+    seqs = [s["tokens"][a:b].astype(np.int64) for a, b in zip(s["starts"][:-1], s["starts"][1:])]
+    prompt = tok.apply_chat_template(answered[:1], tokenize=False, add_generation_prompt=True)
+    p = tok(prompt, add_special_tokens=False)["input_ids"]
+    expected = p + tok("this is a test", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert seqs[0].tolist() == seqs[2].tolist() == expected and s["prompt_len"][0] == len(p)
+    # The unanswered prompt is generated exactly as in a run without the answered ones.
+    alone = DistillDataConfig(n_prompts=0, new_tokens=5, batch=1)
+    write_distill_data(target.model, target.tokenizer, tmp_path / "alone", alone, [asked], "tiny")
+    assert seqs[1].tolist() == _read(tmp_path / "alone")[0]["tokens"].tolist()
+    np.testing.assert_allclose(s["hidden"][:len(expected)].astype(np.float32), pre_norm_states(target.model, seqs[0]),
+                               rtol=2e-3, atol=2e-3)
 
 
 def test_cli_runs_and_resumes(tiny_checkpoint, tmp_path):
@@ -104,6 +151,8 @@ def test_cli_runs_and_resumes(tiny_checkpoint, tmp_path):
     assert "2 shards for 4 prompts" in r.output
     r = CliRunner().invoke(main, args)  # everything there: nothing to do
     assert r.exit_code == 0 and "wrote 0 answer tokens" in r.output
+    r = CliRunner().invoke(main, ["distill-data", str(tiny_checkpoint), "-o", str(tmp_path / "e"), "--n", "0"])
+    assert r.exit_code != 0 and "no prompts to answer" in r.output and "Traceback" not in r.output
 
 
 def test_earlier_answers_become_reading_documents(target, tmp_path, monkeypatch):
