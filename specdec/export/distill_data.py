@@ -86,7 +86,7 @@ def load_prompt_file(path: Path) -> list[list[dict]]:
             out.append(rec["messages"])
         else:
             raise SpecdecError(f"{path} line {i} has neither a 'prompt' string nor a 'messages' list of "
-                               "{'role', 'content'} turns with a user turn first")
+                               "{'role', 'content'} turns with a user turn")
     return out
 
 
