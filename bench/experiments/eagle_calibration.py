@@ -12,11 +12,11 @@ import argparse
 import json
 from pathlib import Path
 
+from side_by_side import bench_arguments, report, run_side_by_side
+
 import specdec
-from specdec.benchmark import BenchConfig, render_table, run_bench
 from specdec.runtime.drafters.base import Reliability
 from specdec.runtime.drafters.eagle import EagleDrafter
-from specdec.spec_bench import DEFAULT_QUESTIONS, load_spec_bench
 
 RAW = "-raw"  # suffix of the drafters whose calibration stays frozen
 
@@ -36,31 +36,21 @@ def eagle_of(drafter) -> EagleDrafter:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle", type=Path)
-    ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
-    ap.add_argument("--limit", type=int, default=2, help="questions per category")
-    ap.add_argument("--configs", default="eagle-tree:auto,hybrid-tree:auto")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--out", type=Path)
+    bench_arguments(ap, configs="eagle-tree:auto,hybrid-tree:auto")
     args = ap.parse_args()
 
     engine = specdec.load(args.bundle)
-    configs = []
-    for text in args.configs.split(","):
-        cfg = BenchConfig.parse(text)
-        engine.use_drafter(cfg.drafter)
-        raw = engine._make_drafter(cfg.drafter)
-        eagle_of(raw).calibration = {kind: Frozen(1.0) for kind in eagle_of(raw).calibration}
-        engine._drafters[cfg.drafter + RAW] = raw
-        configs += [cfg, BenchConfig(cfg.drafter + RAW, cfg.draft_len)]
-    prompts = load_spec_bench(args.questions, limit_per_category=args.limit or None)
-    result = run_bench(engine, prompts, configs, args.max_new_tokens)
-    result["calibration"] = {c.name: {kind: round(r.rate, 3) for kind, r in eagle_of(engine._drafters[c.drafter])
+
+    def frozen(kind: str):
+        raw = engine._make_drafter(kind)
+        eagle_of(raw).calibration = {part: Frozen(1.0) for part in eagle_of(raw).calibration}
+        return raw
+
+    result, configs = run_side_by_side(engine, args, RAW, frozen)
+    result["calibration"] = {c.name: {part: round(r.rate, 3) for part, r in eagle_of(engine._drafters[c.drafter])
                                       .calibration.items()} for c in configs}
-    from rich.console import Console
-    Console().print(render_table(result))
+    report(result, args.out)
     print(json.dumps(result["calibration"]))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

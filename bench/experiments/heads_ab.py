@@ -11,18 +11,16 @@ and draft vocabulary are read.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
+from side_by_side import bench_arguments, report, run_side_by_side
 
 import specdec
-from specdec.benchmark import BenchConfig, render_table, run_bench
 from specdec.runtime.decoder import Decoder
 from specdec.runtime.drafters.eagle import EagleHead
 from specdec.runtime.kv import KVCache
 from specdec.runtime.manifest import read_manifest
-from specdec.spec_bench import DEFAULT_QUESTIONS, load_spec_bench
 
 OTHER = "-B"  # suffix of the configs that draft with OTHER's head
 
@@ -42,30 +40,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle", type=Path)
     ap.add_argument("other", type=Path)
-    ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
-    ap.add_argument("--limit", type=int, default=2, help="questions per category")
-    ap.add_argument("--configs", default="eagle:4,eagle-tree:auto,hybrid-tree:auto")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--out", type=Path)
+    bench_arguments(ap, configs="eagle:4,eagle-tree:auto,hybrid-tree:auto")
     args = ap.parse_args()
 
     engine = specdec.load(args.bundle)
     head_b = other_head(engine, args.other)
-    configs = []
-    for text in args.configs.split(","):
-        cfg = BenchConfig.parse(text)
-        engine.use_drafter(cfg.drafter)  # builds (and keeps) the drafter with the bundle's own head
+
+    def with_head_b(kind: str):
         own, engine._eagle_head = engine._eagle_head, head_b
-        engine._drafters[cfg.drafter + OTHER] = engine._make_drafter(cfg.drafter)
-        engine._eagle_head = own
-        configs += [cfg, BenchConfig(cfg.drafter + OTHER, cfg.draft_len)]
-    prompts = load_spec_bench(args.questions, limit_per_category=args.limit or None)
-    result = run_bench(engine, prompts, configs, args.max_new_tokens)
+        try:
+            return engine._make_drafter(kind)
+        finally:
+            engine._eagle_head = own
+
+    result, _ = run_side_by_side(engine, args, OTHER, with_head_b)
     result["heads"] = {"A": str(args.bundle), "B": str(args.other)}
-    from rich.console import Console
-    Console().print(render_table(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+    report(result, args.out)
 
 
 if __name__ == "__main__":
