@@ -258,6 +258,26 @@ def test_greedy_eagle_tree_output_is_plain_greedy(eagle_bundle, k):
         assert spec.token_ids == plain.token_ids
 
 
+def test_tree_steps_give_the_same_choices_on_both_greedy_paths(eagle_bundle):
+    """A tree step's choices from the graph's exact-argmax path and from full logits (greedy_path.py) agree."""
+    from specdec.runtime.acceptance import tree_attention_bias, tree_depths
+    from conftest import ForcedGreedyPath
+
+    target = specdec.load(eagle_bundle, drafter="eagle-tree").target
+    assert target.greedy_paths is not None
+    vocab = target.model.vocab_size
+    target.prefill(np.random.default_rng(0).integers(0, vocab, size=(1, 10)))
+    start = int(target.kv.lengths[0])
+    for parents in (np.array([-1, 0, 0, 1, -1]), np.array([-1, -1, -1, 0, 1, 2, 3])):
+        step = np.random.default_rng(len(parents)).integers(0, vocab, size=(1, len(parents) + 1))
+        positions = start + np.concatenate([[0], tree_depths(parents)])[None, :]
+        got = []
+        for path in ("graph", "logits"):
+            target.greedy_paths = ForcedGreedyPath(path)
+            got.append(target.forward_choices(step, positions, bias=tree_attention_bias(parents, start)).copy())
+        np.testing.assert_array_equal(*got)
+
+
 def assert_sampled_tree_laws(draft) -> None:
     """Each node's law gives its token mass, sums to 1, and excludes its earlier siblings' tokens (siblings are
     drawn without replacement): what tree_speculative_accept needs to stay lossless."""

@@ -11,12 +11,14 @@ host memory, where the caller reads them without a copy.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 from specdec.errors import SpecdecError
+from specdec.runtime.greedy_path import GRAPH, LOGITS, PATHS, GreedyPaths
 from specdec.runtime.kv import KVCache
 from specdec.runtime.manifest import (ARGMAX_ROWS, ATTENTION_BIAS, FEATURES, GPU_PRECISIONS, LOGITS_ROWS, GraphSpec,
                                       ModelConfig)
@@ -118,6 +120,8 @@ class Decoder:
             raise ValueError(f"graph {path.name} pads steps to {spec.min_step_tokens} tokens: its KV cache needs "
                              f"slack={spec.min_step_tokens - 1}")
         self._T_run = 0  # width the last step ran at (>= its real width when padded to spec.min_step_tokens)
+        # Two exact ways to a greedy step's choices where the graph has the exact-argmax path; else its one way.
+        self.greedy_paths = GreedyPaths() if spec.has_argmax_rows else None
 
     def keep_path(self, start: int, slots: np.ndarray) -> None:
         """After a tree step at cache length `start`, move the K/V (and kept taps) of the accepted nodes' slots
@@ -184,8 +188,32 @@ class Decoder:
     def forward_choices(self, tokens: np.ndarray, positions: np.ndarray | None = None,
                         bias: np.ndarray | None = None, query_lens: np.ndarray | None = None) -> np.ndarray:
         """Run a step like forward() and return the target's greedy choice at each position: the argmax of its
-        logits [B,T] int64 (a reused buffer). A graph with an `argmax` output computes it where the logits are."""
-        if not self.spec.has_argmax:
+        logits [B,T] int64 (may be a reused buffer). A graph with an `argmax` output computes it where the logits
+        are; one with the exact-argmax path also from full logits where that is faster here (greedy_path.py)."""
+        if self.greedy_paths is None:
+            return self._choices(GRAPH if self.spec.has_argmax else LOGITS, tokens, positions, bias, query_lens)
+        shape = tokens.shape[:2]
+        path = self.greedy_paths.pick(shape)
+        t0 = time.perf_counter()
+        choices = self._choices(path, tokens, positions, bias, query_lens)
+        self.greedy_paths.record(shape, path, time.perf_counter() - t0)
+        return choices
+
+    def settle_greedy_path(self, B: int, T: int) -> None:
+        """Time both greedy paths of a [B,T] step now (the trials forward_choices would otherwise spread over the
+        first steps of that shape), so that a step-cost calibration times the step as it will run. The K/V
+        written lie past the valid length, as every step's do until advanced."""
+        if self.greedy_paths is None:
+            return
+        step = np.zeros((B, T), dtype=np.int64)
+        for path in PATHS:  # untimed: a shape's first run pays for allocation
+            self._choices(path, step, None, None, None)
+        while self.greedy_paths.best((B, T)) is None:
+            self.forward_choices(step)
+
+    def _choices(self, path: str, tokens: np.ndarray, positions: np.ndarray | None, bias: np.ndarray | None,
+                 query_lens: np.ndarray | None) -> np.ndarray:
+        if path == LOGITS:
             return np.argmax(self.forward(tokens, positions, query_lens=query_lens, bias=bias), axis=-1)
         B, T = self._run(tokens, positions, query_lens=query_lens, bias=bias, choices_only=True)
         return self._argmax[: B * self._T_run].reshape(B, self._T_run)[:, :T]
