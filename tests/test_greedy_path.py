@@ -101,22 +101,12 @@ def test_speculation_stays_plain_greedy_whichever_path_each_width_takes(tiny_bun
         assert [eng.generate(p, GenerationConfig(max_new_tokens=40, draft_len=4)).token_ids for p in prompts] == plain
 
 
-def test_settling_a_shape_times_both_paths_and_keeps_the_cache(tiny_bundle):
-    target = specdec.load(tiny_bundle, drafter="none").target
-    target.prefill(np.arange(1, 9, dtype=np.int64)[None])
-    before = int(target.kv.lengths[0])
-    target.settle_greedy_path(1, 4)
-    assert target.greedy_paths.best((1, 4)) in (GRAPH, LOGITS)
-    assert int(target.kv.lengths[0]) == before
-
-
 def test_a_graph_without_the_exact_path_has_one_way(tiny_bundle, tmp_path):
     from specdec.quant.bundle import quantize_bundle
 
     out = quantize_bundle(tiny_bundle, tmp_path / "int8", "int8")  # its head is int8: no exact-argmax path
     target = specdec.load(out, drafter="none").target
     assert target.greedy_paths is None
-    target.settle_greedy_path(1, 3)  # nothing to choose
     target.prefill(np.arange(1, 9, dtype=np.int64)[None])
     step = np.array([[5, 9, 2]], dtype=np.int64)
     np.testing.assert_array_equal(target.forward_choices(step).copy(), target.forward(step).argmax(-1))

@@ -374,8 +374,7 @@ class BatchedEngine:
         timed = sorted({t for t in (1, 2, 3, 5, n) if t <= n})
         # Greedy steps, as the default runs them (no logits from a target with argmax_rows); sampled rows pay more.
         steps = {t: (lambda t=t: self.target.decoder.forward_choices(np.zeros((B, t), dtype=np.int64))) for t in timed}
-        for t, step in steps.items():  # the first runs of a new session are slow (allocation, page faults): warm all
-            self.target.decoder.settle_greedy_path(B, t)  # and time the step on the path it will take
+        for step in steps.values():  # the first runs of a new session are slow (allocation, page faults): warm all
             step()
         cost = [median_seconds(steps[t]) for t in timed]
         verify = [float(v) for v in np.interp(np.arange(1, n + 1), timed, cost)]

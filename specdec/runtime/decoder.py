@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specdec.errors import SpecdecError
-from specdec.runtime.greedy_path import GRAPH, LOGITS, PATHS, GreedyPaths
+from specdec.runtime.greedy_path import GRAPH, LOGITS, GreedyPaths
 from specdec.runtime.kv import KVCache
 from specdec.runtime.manifest import (ARGMAX_ROWS, ATTENTION_BIAS, FEATURES, GPU_PRECISIONS, LOGITS_ROWS, GraphSpec,
                                       ModelConfig)
@@ -198,18 +198,6 @@ class Decoder:
         choices = self._choices(path, tokens, positions, bias, query_lens)
         self.greedy_paths.record(shape, path, time.perf_counter() - t0)
         return choices
-
-    def settle_greedy_path(self, B: int, T: int) -> None:
-        """Time both greedy paths of a [B,T] step now (the trials forward_choices would otherwise spread over the
-        first steps of that shape), so that a step-cost calibration times the step as it will run. The K/V
-        written lie past the valid length, as every step's do until advanced."""
-        if self.greedy_paths is None:
-            return
-        step = np.zeros((B, T), dtype=np.int64)
-        for path in PATHS:  # untimed: a shape's first run pays for allocation
-            self._choices(path, step, None, None, None)
-        while self.greedy_paths.best((B, T)) is None:
-            self.forward_choices(step)
 
     def _choices(self, path: str, tokens: np.ndarray, positions: np.ndarray | None, bias: np.ndarray | None,
                  query_lens: np.ndarray | None) -> np.ndarray:

@@ -286,10 +286,9 @@ class Engine:
         """
         kv = self.target.kv
         widths = range(1, min(AUTO_K_MAX + 1, kv.max_len - int(kv.lengths[0])) + 1)
-        # Timed as greedy steps (the default), each width on the faster of its two exact paths where the target
-        # has two (greedy_path.py): sampled rounds correct them as they run.
-        for t in widths:
-            self.target.settle_greedy_path(1, t)
+        # Timed as greedy steps (the default): sampled rounds correct them as they run. Where the target has two
+        # exact greedy paths (greedy_path.py) these runs are also their first trials, so a width's cost here may mix
+        # the two; the rounds' own timings then move it to the faster one's (COST_EMA).
         verify = [median_seconds(lambda t=t: self.target.forward_choices(np.zeros((1, t), dtype=np.int64)))
                   for t in widths]
         draft = 0.0  # an n-gram lookup is microseconds against milliseconds of a forward
