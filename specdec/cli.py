@@ -134,6 +134,20 @@ def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_l
     corpus_note = ", with the shipped corpus" if manifest.drafter.corpus else ""
     click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, target {manifest.graphs['target'].precision}, "
                f"drafter {cfg.drafter}{corpus_note}) in {time.perf_counter() - t0:.0f} s")
+    _note_int8_weight_only(manifest.graphs["target"].precision, fast_kernels)
+
+
+# onnxruntime has no fast CPU kernel for 8-bit weights with fp32 activations (MatMulNBits dequantizes them every
+# step): a 1-token step of the default model took 388 ms against 33 ms in fp32 on an AVX2 host (session 16), 202-267
+# ms against 21 ms on AVX-512 hosts (bench/results/quant/). Said where such a bundle is written, not found later.
+INT8_WEIGHT_ONLY_NOTE = ("note: int8 weights with fp32 activations have no fast CPU kernel in onnxruntime (a step "
+                         "runs ~10x slower than fp32 on a CPU); for a CPU, use --fast-kernels (int8 activations, "
+                         "lossless under speculation), or keep this bundle for a GPU")
+
+
+def _note_int8_weight_only(precision: str, fast_kernels: bool) -> None:
+    if precision == "int8" and not fast_kernels:
+        click.echo(INT8_WEIGHT_ONLY_NOTE, err=True)
 
 
 @contextlib.contextmanager
@@ -503,7 +517,8 @@ def devices(bundle, notes):
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--to", "precision", required=True,
-              help="fp16 (for GPUs) | int8 | int4 (weight-only, T-invariant kernels).")
+              help="fp16 (for GPUs) | int8 | int4 (weight-only, T-invariant kernels; int8 runs slowly on CPUs "
+                   "without --fast-kernels).")
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--fast-kernels", is_flag=True,
               help="int8/int4 with int8-activation kernels: much faster on CPUs. They amplify a 1-token step's "
@@ -552,6 +567,7 @@ def quantize(bundle, precision, out_dir, fast_kernels, block_size, method, sensi
                                      if read_manifest(out_dir).graphs["target"].t_invariant
                                      else "speculative output may differ from plain decoding")
     click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, target {precision}{note})")
+    _note_int8_weight_only(precision, fast_kernels)
 
 
 @main.command("build-engines")

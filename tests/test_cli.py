@@ -317,3 +317,15 @@ def test_export_and_quantize_fp16_then_generate_needs_a_gpu(tmp_path, tiny_check
     code, out, err = run_cli("generate", tmp_path / "e16", "the quick brown fox", "--max-new-tokens", 6)
     assert code == 0, err
     assert out.strip() and "tok/s" in err
+
+
+def test_an_int8_weight_only_bundle_is_written_with_a_note_on_cpu_speed(tmp_path, tiny_bundle):
+    """int8 weights with fp32 activations have no fast CPU kernel (~10x slower than fp32): said when one is
+    written; the fast-kernel int8 and int4 bundles get no such note."""
+    code, out, err = run_cli("quantize", tiny_bundle, "--to", "int8", "-o", tmp_path / "q8")
+    assert code == 0, err
+    assert "target int8" in out and "no fast CPU kernel" in err and "--fast-kernels" in err
+    for extra in (["--to", "int8", "--fast-kernels"], ["--to", "int4"]):
+        code, out, err = run_cli("quantize", tiny_bundle, *extra, "-o", tmp_path / "-".join(extra).strip("-"))
+        assert code == 0, err
+        assert "no fast CPU kernel" not in err
