@@ -5,11 +5,11 @@ of the step's fp32 logits: in the graph, from 8-bit scores of every token (a qua
 logits for the few the error bound cannot rule out; or from every row's full logits (the fp32 head), argmax on the
 host. Which is faster depends on the CPU and the width. With VNNI (AVX-512 EPYC) the 8-bit scores cost ~1 ms at
 any width that verification uses. Without it (AVX2 laptops, AMD before Zen 4) onnxruntime's u8 x s8 kernel is
-compute-bound:
-2.0 ms of a 1-token step and 6.5 ms of a 4-token one (ORT profiler, the default model, past 300), so from ~3
-tokens on the fp32 head can win. By how much moves with the machine's state: two timings of the same steps, minutes
-apart (ms at T = 1 / 4 / 8, graph -> logits): 25.4 -> 28.6, 38.6 -> 36.1, 58.3 -> 50.4; then 28.8 -> 32.2, 39.6 ->
-38.0, 54.9 -> 55.2. So the decoder times both on the steps it runs and keeps the faster per step shape.
+compute-bound: 2.0 ms of a 1-token step and 6.5 ms of a 4-token one (ORT profiler, the default model, past 300), so
+from ~2-4 tokens on the fp32 head can win. By how much moves with the machine's state: two timings of the same
+steps, minutes apart (ms at T = 1 / 4 / 8, graph -> logits): 25.4 -> 28.6, 38.6 -> 36.1, 58.3 -> 50.4; then 28.8
+-> 32.2, 39.6 -> 38.0, 54.9 -> 55.2. So the decoder times both on the steps it runs and keeps the faster per step
+shape (bench/README.md, session 16).
 """
 from __future__ import annotations
 
