@@ -5,8 +5,6 @@ from pathlib import Path
 
 import pytest
 
-from specdec.runtime.greedy_path import GreedyPaths
-
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -111,13 +109,3 @@ def tiny_distill_data(tiny_checkpoint, tmp_path_factory) -> Path:
     write_distill_data(src.model, src.tokenizer, out, cfg, plan_prompts(cfg, [], set()), "tiny")
     return out
 
-
-class ForcedGreedyPath(GreedyPaths):
-    """A decoder's greedy_paths that always takes one path (what a device where it is faster would choose)."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path = path
-
-    def pick(self, shape):
-        return self.path

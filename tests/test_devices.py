@@ -20,7 +20,6 @@ import pytest
 from click.testing import CliRunner
 
 import specdec
-from conftest import ForcedGreedyPath
 from specdec import GenerationConfig, SpecdecError
 from specdec.cli import main
 from specdec.devices import PROFILES, DeviceProfile, get_profile
@@ -29,7 +28,7 @@ from specdec.devices.memory import (GiB, MiB, SMOLLM2_135M, KVShape, WeightPart,
                                     estimate_weight_bytes, kv_bytes_per_token, plan_for_model, plan_kv)
 from specdec.devices.setup import check_provider, device_setup, plan_for_bundle
 from specdec.runtime import decoder as decoder_mod
-from specdec.runtime.greedy_path import GRAPH, LOGITS
+from specdec.runtime.greedy_path import GRAPH, LOGITS, OnePath
 from specdec.runtime import trt_engines as trt
 from specdec.runtime.decoder import MAX_STEP, Decoder, logits_on_device
 from specdec.runtime.kv import KVCache
@@ -491,7 +490,7 @@ def test_greedy_choices_come_from_the_graph_argmax(tiny_bundle, device_logits):
         # The target's own argmax output, and its choices read from (device) logits (greedy_path.py's other way).
         for dec, path in ((target, GRAPH), (target, LOGITS), (draft, None)):
             if path is not None:
-                dec.greedy_paths = ForcedGreedyPath(path)
+                dec.greedy_paths = OnePath(path)
             choices = dec.forward_choices(step).copy()  # [1, T]
             assert choices.shape == (1, T) and choices.dtype == np.int64
             np.testing.assert_array_equal(choices, np.argmax(dec.forward(step), axis=-1))

@@ -261,7 +261,7 @@ def test_greedy_eagle_tree_output_is_plain_greedy(eagle_bundle, k):
 def test_tree_steps_give_the_same_choices_on_both_greedy_paths(eagle_bundle):
     """A tree step's choices from the graph's exact-argmax path and from full logits (greedy_path.py) agree."""
     from specdec.runtime.acceptance import tree_attention_bias, tree_depths
-    from conftest import ForcedGreedyPath
+    from specdec.runtime.greedy_path import OnePath
 
     target = specdec.load(eagle_bundle, drafter="eagle-tree").target
     assert target.greedy_paths is not None
@@ -273,7 +273,7 @@ def test_tree_steps_give_the_same_choices_on_both_greedy_paths(eagle_bundle):
         positions = start + np.concatenate([[0], tree_depths(parents)])[None, :]
         got = []
         for path in ("graph", "logits"):
-            target.greedy_paths = ForcedGreedyPath(path)
+            target.greedy_paths = OnePath(path)
             got.append(target.forward_choices(step, positions, bias=tree_attention_bias(parents, start)).copy())
         np.testing.assert_array_equal(*got)
 

@@ -10,10 +10,9 @@ from onnx import TensorProto, helper
 from specdec.export.exact_argmax import PREFIX, add_exact_argmax, int8_columns
 from specdec.export.graph import _Builder
 from specdec.runtime.manifest import ARGMAX_ROWS, read_manifest
-from specdec.runtime.greedy_path import GRAPH
+from specdec.runtime.greedy_path import GRAPH, OnePath
 from specdec.runtime.session import pooled_session_options
 
-from conftest import ForcedGreedyPath
 
 
 def _head_session(head: np.ndarray) -> ort.InferenceSession:
@@ -112,7 +111,7 @@ def test_fp32_target_takes_greedy_choices_from_the_exact_path(tiny_bundle):
     assert spec.has_argmax_rows
     engine = specdec.load(tiny_bundle, drafter="none")
     target = engine.target
-    target.greedy_paths = ForcedGreedyPath(GRAPH)  # the path under test, not the per-width choice
+    target.greedy_paths = OnePath(GRAPH)  # the path under test, not the per-width choice
     ids = np.random.default_rng(3).integers(0, spec.model.vocab_size, size=(1, 12))
     target.prefill(ids)
     for T in (1, 2, 3, 5):
@@ -138,7 +137,7 @@ def test_quantize_keeps_the_path_only_while_the_head_stays_fp32(tiny_bundle, tmp
     assert any(t.name.startswith(PREFIX) for t in model.graph.initializer) == keeps
     target = specdec.load(out, drafter="none").target
     if keeps:
-        target.greedy_paths = ForcedGreedyPath(GRAPH)
+        target.greedy_paths = OnePath(GRAPH)
     target.prefill(np.arange(1, 9, dtype=np.int64)[None])
     step = np.array([[5, 9, 2]], dtype=np.int64)
     choices = target.forward_choices(step).copy()

@@ -7,10 +7,9 @@ import pytest
 
 import specdec
 from specdec.runtime.engine import GenerationConfig
-from specdec.runtime.greedy_path import GRAPH, LOGITS, REVISIT_EVERY, TRIALS, GreedyPaths
+from specdec.runtime.greedy_path import GRAPH, LOGITS, REVISIT_EVERY, TRIALS, GreedyPaths, OnePath
 from specdec.runtime.manifest import read_manifest
 
-from conftest import ForcedGreedyPath
 
 
 def _run(paths: GreedyPaths, shape, ms: dict[str, float], n: int) -> list[str]:
@@ -51,6 +50,8 @@ def test_hiccups_do_not_decide():
     assert paths.best((1, 2)) == GRAPH
     with pytest.raises(ValueError, match="unknown greedy path"):
         paths.record((1, 2), "host", 0.1)
+    with pytest.raises(ValueError, match="unknown greedy path"):
+        OnePath("host")
 
 
 def test_both_paths_give_the_same_choices_chains_and_ragged_batches(tiny_bundle):
@@ -65,7 +66,7 @@ def test_both_paths_give_the_same_choices_chains_and_ragged_batches(tiny_bundle)
         tokens = np.random.default_rng(T).integers(0, vocab, size=(1, T))
         got = {}
         for path in (GRAPH, LOGITS):
-            target.greedy_paths = ForcedGreedyPath(path)
+            target.greedy_paths = OnePath(path)
             got[path] = target.forward_choices(tokens).copy()
         np.testing.assert_array_equal(got[GRAPH], got[LOGITS])
     assert int(target.kv.lengths[0]) == start  # steps never advance the cache themselves
@@ -75,7 +76,7 @@ def test_both_paths_give_the_same_choices_chains_and_ragged_batches(tiny_bundle)
     q = np.array([4, 0, 2])  # a full row, an idle one, a ragged one
     got = {}
     for path in (GRAPH, LOGITS):
-        dec.greedy_paths = ForcedGreedyPath(path)
+        dec.greedy_paths = OnePath(path)
         got[path] = dec.forward_choices(tokens, query_lens=q).copy()
     for row, n in enumerate(q):
         np.testing.assert_array_equal(got[GRAPH][row, :n], got[LOGITS][row, :n])

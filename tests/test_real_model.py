@@ -46,13 +46,12 @@ def path_mismatches(bundle, steps: int = 24) -> int:
 
     from specdec.spec_bench import DEFAULT_QUESTIONS, load_spec_bench
 
-    from conftest import ForcedGreedyPath
-    from specdec.runtime.greedy_path import GRAPH
+    from specdec.runtime.greedy_path import GRAPH, OnePath
 
     engine = specdec.load(bundle, drafter="none")
     target = engine.target
     assert target.spec.has_argmax_rows
-    target.greedy_paths = ForcedGreedyPath(GRAPH)  # the 8-bit path under test, not the per-width choice
+    target.greedy_paths = OnePath(GRAPH)  # the 8-bit path under test, not the per-width choice
     question = next(q for q in load_spec_bench(DEFAULT_QUESTIONS) if str(q.id) == "83")
     ids = engine.encode(question.messages)
     target.prefill(np.asarray([ids[:-1]], dtype=np.int64))

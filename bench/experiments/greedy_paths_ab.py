@@ -14,35 +14,26 @@ import json
 import resource
 from pathlib import Path
 
+from side_by_side import bench_arguments
+
 import specdec
 from specdec.runtime.engine import GenerationConfig
-from specdec.runtime.greedy_path import GRAPH, GreedyPaths
-from specdec.spec_bench import DEFAULT_QUESTIONS, load_spec_bench
-
-
-class GraphOnly(GreedyPaths):
-    """Every greedy step on the graph's path: what the runtime did before it timed the two."""
-
-    def pick(self, shape):
-        return GRAPH
+from specdec.runtime.greedy_path import GRAPH, GreedyPaths, OnePath
+from specdec.spec_bench import load_spec_bench
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle", type=Path)
-    ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
-    ap.add_argument("--limit", type=int, default=2, help="questions per category")
-    ap.add_argument("--configs", default="none:0,corpus:auto,hybrid-tree:auto")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--out", type=Path)
+    bench_arguments(ap, configs="none:0,corpus:auto,hybrid-tree:auto")
     args = ap.parse_args()
 
     engine = specdec.load(args.bundle)
     if engine.target.greedy_paths is None:
         raise SystemExit(f"{args.bundle}'s target has one greedy path only (no exact-argmax path)")
-    prompts = load_spec_bench(args.questions, limit_per_category=args.limit)
+    prompts = load_spec_bench(args.questions, limit_per_category=args.limit or None)
     timed = GreedyPaths()
-    choosers = {"graph only": GraphOnly(), "timed": timed}
+    choosers = {"graph only": OnePath(GRAPH), "timed": timed}  # the graph's path: what ran before the timing
     rows = []
     for text in args.configs.split(","):
         drafter, _, length = text.partition(":")

@@ -62,3 +62,17 @@ class GreedyPaths:
         if path not in PATHS:
             raise ValueError(f"unknown greedy path {path!r} (one of {PATHS})")
         self._seconds[shape][path].append(float(seconds))
+
+
+class OnePath(GreedyPaths):
+    """Every step on one path, untimed: for comparing the two ways side by side (bench/experiments/greedy_paths_ab.py)
+    and for tests of one way."""
+
+    def __init__(self, path: str) -> None:
+        if path not in PATHS:
+            raise ValueError(f"unknown greedy path {path!r} (one of {PATHS})")
+        super().__init__()
+        self.path = path
+
+    def pick(self, shape: tuple[int, ...]) -> str:
+        return self.path
