@@ -536,16 +536,19 @@ def devices(bundle, notes):
               help="With --sensitive: 4 bits in blocks of this size instead of 8 bits (CPUs without fast 8-bit "
                    "kernels, e.g. AVX2).")
 @click.option("--calib-prompts", type=int, default=96, show_default=True,
-              help="gptq / --sensitive: how many of specdec's prompts the bundle answers for calibration text.")
+              help="gptq / --awq / --sensitive: how many of specdec's prompts the bundle answers for calibration text.")
 @click.option("--act-order", is_flag=True,
               help="gptq: round the input channels with the most energy first (block scales fixed beforehand).")
+@click.option("--awq", is_flag=True,
+              help="int4/int8 with rtn, hqq or gptq: scale each layer's input channels by their activation energy "
+                   "before rounding (AWQ; calibrated like gptq), folded into the graph so fp32 math is unchanged.")
 @click.option("--symmetric/--asymmetric", default=None,
               help="Blocks centred on zero (no offsets to add: ~10% faster per step) or with an offset each. "
                    "Default: asymmetric for gptq, symmetric otherwise (the better of the two for each, measured).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @friendly
 def quantize(bundle, precision, out_dir, fast_kernels, block_size, method, sensitive, sensitive_block, calib_prompts,
-             act_order, symmetric, force):
+             act_order, awq, symmetric, force):
     """Write a copy of an fp32 BUNDLE with its target quantized (or converted to fp16)."""
     from specdec.quant.bundle import quantize_bundle
     from specdec.quant.calibration import CalibrationConfig
@@ -554,7 +557,7 @@ def quantize(bundle, precision, out_dir, fast_kernels, block_size, method, sensi
         with _stage_progress() as step:
             quantize_bundle(bundle, out_dir, precision, force=force, fast_kernels=fast_kernels, block_size=block_size,
                             method=method, sensitive=sensitive, sensitive_block=sensitive_block,
-                            act_order=act_order, symmetric=symmetric, step=step,
+                            act_order=act_order, symmetric=symmetric, awq=awq, step=step,
                             calibration=CalibrationConfig(prompts=calib_prompts))
     except ValueError as e:  # a WeightQuantConfig that does not validate, e.g. --block-size 48
         raise SpecdecError(str(e), "see specdec quantize --help") from None

@@ -387,6 +387,7 @@ def test_bad_quantize_options_get_one_line(tiny_bundle, tmp_path):
     assert_one_error(run_cli(*q, "--method", "gptq", "--calib-prompts", "0"), "calibration needs >= 1 prompt")
     assert_one_error(run_cli(*q, "--sensitive", "1.5"), "sensitive must be in [0, 1]")
     assert_one_error(run_cli(*q, "--act-order"), "act_order is a GPTQ option")
+    assert_one_error(run_cli(*q, "--awq"), "awq scales weights off the grids minmax re-encodes")
     assert_one_error(run_cli(*q, "--sensitive", "0.2", "--sensitive-block", "48"), "sensitive_block")
     assert_one_error(run_cli("quantize", tiny_bundle, "--to", "fp16", "-o", tmp_path / "h", "--method", "hqq"),
                      "apply to int8 and int4 only")

@@ -58,13 +58,13 @@ def _reads_data_file(graph: Path, data_file: str) -> bool:
 def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, fast_kernels: bool = False,
                     block_size: int | None = None, *, method: str | None = None, sensitive: float = 0.0,
                     sensitive_block: int | None = None, act_order: bool = False,
-                    symmetric: bool | None = None,
+                    symmetric: bool | None = None, awq: bool = False,
                     calibration: CalibrationConfig = CalibrationConfig(),
                     step: Callable[[str], object] | None = None) -> Path:
     """`fast_kernels`: int8-activation kernels (FAST_TARGET_PRESETS), faster; lossless with min_step_tokens 2 (measured).
-    `block_size`, `method`, `sensitive`, `act_order` and `symmetric` override the preset's (int8/int4 only; see
+    `block_size`, `method`, `sensitive`, `act_order`, `symmetric` and `awq` override the preset's (int8/int4 only; see
     WeightQuantConfig).
-    GPTQ and sensitive calibrate on the source bundle's own answers to specdec's prompts (`calibration`).
+    GPTQ, AWQ and sensitive calibrate on the source bundle's own answers to specdec's prompts (`calibration`).
     `step(description)` is called as each stage starts (progress)."""
     step = step or (lambda _desc: None)
     if precision not in QUANTIZE_PRECISIONS:
@@ -76,9 +76,9 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
         raise SpecdecError(f"bundle {src} is fp16; specdec quantize converts fp32 bundles only",
                            f"quantize the fp32 bundle it came from, or export with --precision {precision}")
     if (block_size is not None or method is not None or sensitive or sensitive_block or act_order
-            or symmetric is not None) \
+            or symmetric is not None or awq) \
             and precision not in TARGET_PRESETS:
-        raise SpecdecError(f"--block-size, --method, --sensitive and --symmetric/--asymmetric apply to "
+        raise SpecdecError(f"--block-size, --method, --sensitive, --awq and --symmetric/--asymmetric apply to "
                            f"{' and '.join(TARGET_PRESETS)} only, not {precision}")
     if fast_kernels and precision not in FAST_TARGET_PRESETS:
         raise SpecdecError(f"--fast-kernels applies to {' and '.join(FAST_TARGET_PRESETS)} only, not {precision}")
@@ -90,14 +90,15 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
     if precision != "fp16":
         cfg = (FAST_TARGET_PRESETS if fast_kernels else TARGET_PRESETS)[precision]
         overrides = {"block_size": block_size, "method": method, "sensitive": sensitive or None,
-                     "sensitive_block": sensitive_block, "act_order": act_order or None}
+                     "sensitive_block": sensitive_block, "act_order": act_order or None, "awq": awq or None}
         # A method given without a grid takes that method's own (WeightQuantConfig resolves symmetric=None).
         grid = {"symmetric": symmetric} if symmetric is not None or method is not None else {}
         cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None}, **grid)  # validated there
         if cfg.needs_calibration and m.split_target:  # slices would need the very same choices as the whole
             raise SpecdecError(f"bundle {src} is a layerskip bundle: its split cannot be quantized with "
-                               f"{cfg.method}{' and --sensitive' if cfg.sensitive else ''}",
-                               "use --method minmax, rtn or hqq without --sensitive")
+                               f"{cfg.method}{' and --sensitive' if cfg.sensitive else ''}"
+                               f"{' and --awq' if cfg.awq else ''}",
+                               "use --method minmax, rtn or hqq without --sensitive or --awq")
 
     sequences = None
     if cfg is not None and cfg.needs_calibration:

@@ -46,6 +46,8 @@ class WeightQuantConfig:
     sensitive: float = 0.0
     sensitive_block: int | None = None
     act_order: bool = False  # gptq: walk the columns by decreasing input energy (see gptq())
+    # Activation-aware scales folded into the graph before rounding (quant/awq.py); calibrated.
+    awq: bool = False
 
     def __post_init__(self) -> None:
         if self.symmetric is None:
@@ -62,6 +64,8 @@ class WeightQuantConfig:
             raise ValueError(f"method {self.method} quantizes to 4 bits only; use rtn or minmax for 8")
         if self.act_order and self.method != "gptq":
             raise ValueError(f"act_order is a GPTQ option, not one of method {self.method!r}")
+        if self.awq and self.method == "minmax":
+            raise ValueError("awq scales weights off the grids minmax re-encodes exactly; use rtn, hqq or gptq")
         if not 0.0 <= self.sensitive <= 1.0 or (self.sensitive and self.bits != 4):
             raise ValueError(f"sensitive must be in [0, 1] and applies to 4-bit weights, got {self.sensitive}")
         if self.sensitive_block is not None and not (16 <= self.sensitive_block < self.block_size
@@ -71,8 +75,8 @@ class WeightQuantConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        """Whether quantize_weights needs calibration sequences (GPTQ, or choosing weights to keep at 8 bits)."""
-        return self.method == "gptq" or self.sensitive > 0
+        """Whether quantize_weights needs calibration sequences (GPTQ, AWQ, or choosing weights to keep finer)."""
+        return self.method == "gptq" or self.sensitive > 0 or self.awq
 
     @property
     def quantizes_head(self) -> bool:
@@ -112,12 +116,17 @@ def quantize_weights(model: onnx.ModelProto, cfg: WeightQuantConfig,
     if cfg.quantizes_head:
         model = untie_embedding(model)
     if cfg.needs_calibration and not calibration:
-        raise ValueError(f"{cfg.method} with sensitive={cfg.sensitive} needs calibration sequences")
+        raise ValueError(f"{cfg.method} with sensitive={cfg.sensitive}, awq={cfg.awq} needs calibration sequences")
     grams = None
     if cfg.needs_calibration:
         from specdec.quant.calibration import matmul_input_grams
 
         grams = matmul_input_grams(model, calibration, quantizable_weights(model, cfg))
+    awq_record = None
+    if cfg.awq:
+        from specdec.quant.awq import scale_for_rounding
+
+        model, grams, awq_record = scale_for_rounding(model, grams, cfg.bits, cfg.block_size, cfg.symmetric)
     sensitive = sensitive_weights(model, cfg, grams) if cfg.sensitive > 0 else {}
     if cfg.method in ("minmax", "gptq"):
         model = quantize_nbits(model, cfg, finer=set(sensitive), grams=grams)
@@ -128,6 +137,8 @@ def quantize_weights(model: onnx.ModelProto, cfg: WeightQuantConfig,
             model = _ort_quantize(model, replace(cfg, sensitive=0.0, sensitive_block=None, **finer), exclude=[])
         # after every pass: the offsets' small MatMuls must not be taken for weights by a later pass
         model = float_zero_points_as_offsets(model)
+    if awq_record is not None:  # {weights: [alpha, output error / plain rounding's]} per site, for inspection
+        model.metadata_props.append(onnx.StringStringEntryProto(key="specdec.awq", value=str(awq_record)))
     return embedding_from_head(model) if cfg.quantizes_head else model
 
 
