@@ -14,6 +14,8 @@ Per site, s = e ** alpha for e each channel's RMS on the calibration text, alpha
 layer's output error on that text, trace(D^T H D) with D = W - Q(W * s) / s and H = X^T X (the Gram matrices of
 calibration.matmul_input_grams; alpha = 0 is plain rounding, so no site gets worse on the calibration text).
 Rounding in the search is the min/max grid; the weights are then rounded by the configured method.
+onnxruntime's quantizer offers AWQ only through NVIDIA ModelOpt (`nvidia-modelopt`, a large extra dependency);
+this reuses the Gram matrices that GPTQ and the sensitivity ranking already collect.
 """
 from __future__ import annotations
 

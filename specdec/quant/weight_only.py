@@ -281,7 +281,7 @@ def _ort_quantize(model: onnx.ModelProto, cfg: WeightQuantConfig, exclude: list[
     with warnings.catch_warnings():  # HQQ hands torch read-only numpy views; it only reads them
         warnings.simplefilter("ignore", UserWarning)
         q.process()
-    out = q.model.model if hasattr(q.model, "model") else q.model
+    out = q.model.model  # the quantizer keeps its result wrapped in an ONNXModel
     if cfg.method == "hqq":
         if level is not None:  # its node writer leaves the kernel choice unset
             for node in out.graph.node:
