@@ -727,7 +727,8 @@ def batch(bundle, input_path, output, errors_path, batch_size, draft_len, drafte
 
     Each output line is {"id", "text", "finish_reason", "stats"}, appended whole as each request finishes.
     Ids already in OUT are skipped, so rerunning the same command after a crash or Ctrl-C resumes it. Bad
-    lines go to the errors file and the job goes on (exit 0; the summary counts them). With --ray the
+    lines go to the errors file and the job goes on; once every good line is written it exits 1, naming the
+    first bad line. With --ray the
     generation runs on Ray workers (the bundle must be at the same path on every node); this process still
     reads the input and writes every line, so the output and resuming are the same as without it.
     """
@@ -766,6 +767,11 @@ def batch(bundle, input_path, output, errors_path, batch_size, draft_len, drafte
     click.echo(f"done: {c.done} of {c.total} requests in {output} ({c.written} this run, {c.done_before} already "
                f"there), {c.tokens} tokens in {c.elapsed_s:.1f} s ({c.tokens / max(c.elapsed_s, 1e-9):.1f} tok/s)"
                f"{errors}{note}")
+    if c.errors:
+        more = f" and {c.errors - 1} more" if c.errors > 1 else ""
+        click.echo(f"error: {c.first_error}{more} (all in {job.errors_path}); fix them in {input_path} and rerun "
+                   f"the same command: finished ids are skipped", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

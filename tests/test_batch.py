@@ -205,8 +205,10 @@ def test_bad_lines_go_to_the_errors_file(tmp_path, tiny_bundle):
     ]
     inp.write_text("\n".join(lines) + "\n")
     code, stdout, err = run_cli("batch", tiny_bundle, inp, out, "--batch-size", 2)
-    assert code == 0, err
+    # every good line is written, then one line names the first bad one and the exit says the job is not whole
+    assert code == 1, err
     assert "done: 2 of" in stdout and "8 errors" in stdout
+    assert err.count("\n") == 1 and err.startswith("error: line 2: not valid JSON") and "7 more" in err, err
     assert set(by_id(out)) == {"ok1", 7}
     errors = records(tmp_path / "out.jsonl.errors.jsonl")
     by_line = {e["line"]: e for e in errors}
@@ -220,7 +222,7 @@ def test_bad_lines_go_to_the_errors_file(tmp_path, tiny_bundle):
     assert "KV buffer" in by_line[9]["error"] and by_line[9]["id"] == "toolong"
     assert "JSON object" in by_line[10]["error"]
     # The errors file describes the last run: a rerun rewrites it, it does not pile up.
-    assert run_cli("batch", tiny_bundle, inp, out, "--batch-size", 2)[0] == 0
+    assert run_cli("batch", tiny_bundle, inp, out, "--batch-size", 2)[0] == 1
     assert len(records(tmp_path / "out.jsonl.errors.jsonl")) == 8
 
 
@@ -228,8 +230,8 @@ def test_custom_errors_path(tmp_path, tiny_bundle):
     inp, out, errs = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "errs" / "e.jsonl"
     errs.parent.mkdir()
     inp.write_text("nope\n")
-    code, stdout, _ = run_cli("batch", tiny_bundle, inp, out, "--errors", errs)
-    assert code == 0 and "1 error " in stdout
+    code, stdout, err = run_cli("batch", tiny_bundle, inp, out, "--errors", errs)
+    assert code == 1 and "1 error " in stdout and str(errs) in err and "more" not in err
     assert records(errs)[0]["line"] == 1
 
 

@@ -67,7 +67,7 @@ def ray_input(tmp_path_factory) -> Path:
 def local_run(tmp_path_factory, tiny_bundle, ray_input) -> Path:
     out = tmp_path_factory.mktemp("local") / "out.jsonl"
     code, stdout, err = run_cli("batch", tiny_bundle, ray_input, out, *JOB_FLAGS)
-    assert code == 0, err
+    assert code == 1 and err.startswith("error: line 4: "), err  # two bad lines: the good ones written, exit 1
     assert "done: 8 of 9" in stdout and "2 errors" in stdout
     return out
 
@@ -108,13 +108,13 @@ def test_ray_cli_resumes_a_local_run_and_skips_done_ids(tmp_path, tiny_bundle, r
     before = out.read_bytes()
     assert len(records(out)) == 3
     code, stdout, err = run_cli("batch", tiny_bundle, ray_input, out, *JOB_FLAGS, "--ray", "--workers", 1)
-    assert code == 0, err
+    assert code == 1, err
     assert "5 this run, 3 already there" in stdout and "2 errors" in stdout
     assert out.read_bytes().startswith(before)  # the done records untouched, the rest appended after them
     assert decided(out) == decided(local_run)
     # Only the line that failed is left: the rerun tries it again on Ray and changes nothing else.
     code, stdout, _ = run_cli("batch", tiny_bundle, ray_input, out, *JOB_FLAGS, "--ray")
-    assert code == 0 and "0 this run, 8 already there" in stdout and "2 errors" in stdout
+    assert code == 1 and "0 this run, 8 already there" in stdout and "2 errors" in stdout
     assert decided(out) == decided(local_run)
 
 
