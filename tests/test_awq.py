@@ -116,3 +116,18 @@ def test_awq_refusals(tiny_bundle, tmp_path):
         WeightQuantConfig(method="minmax", awq=True)
     with pytest.raises(SpecdecError, match="--awq"):
         quantize_bundle(tiny_bundle, tmp_path / "x", "fp16", awq=True)
+
+
+def test_frozen_weights_keep_their_rows_and_their_sites_are_skipped(tiny_bundle, calibration):
+    """A weight kept in finer blocks (sensitive_block) may lie on a GGUF's grid: its rows are not scaled, so the
+    sites holding it are skipped; the other sites still scale."""
+    model = _with_outlier_channels(onnx.load(str(tiny_bundle / "target.onnx")))
+    cfg = WeightQuantConfig(bits=4, block_size=32, method="rtn")
+    grams = matmul_input_grams(model, calibration, quantizable_weights(model, cfg))
+    frozen = frozenset({"layers.0.gate.weight"})
+    before = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "layers.0.gate.weight")).copy()
+    model, _, record = scale_for_rounding(model, grams, 4, 32, True, frozen)
+    after = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "layers.0.gate.weight"))
+    np.testing.assert_array_equal(after, before)
+    assert not any("layers.0.gate.weight" in k for k in record)
+    assert "layers.1.gate.weight+layers.1.up.weight" in record

@@ -145,13 +145,19 @@ def fold_scale(model: onnx.ModelProto, site: ScaleSite, s: np.ndarray) -> None:
 
 
 def scale_for_rounding(model: onnx.ModelProto, grams: dict[str, np.ndarray], bits: int, block_size: int,
-                       symmetric: bool) -> tuple[onnx.ModelProto, dict[str, np.ndarray], dict]:
+                       symmetric: bool, frozen: frozenset[str] = frozenset()
+                       ) -> tuple[onnx.ModelProto, dict[str, np.ndarray], dict]:
     """The graph with AWQ scales folded in (the same function in fp32), the Gram matrices of its weights' new
-    inputs (X / s: H / s s^T), and a record {weights: [alpha, error / plain rounding's]} per scaled site."""
+    inputs (X / s: H / s s^T), and a record {weights: [alpha, error / plain rounding's]} per scaled site.
+    Sites with a weight in `frozen` are left alone: scaling its rows would move it off a grid it lies on (a GGUF's
+    4-bit blocks, which a sensitive weight in smaller blocks re-encodes exactly). Scaling a weight's columns keeps
+    every block on a grid, so a frozen weight may still be a site's source."""
     inits = {t.name: t for t in model.graph.initializer}
     grams = dict(grams)
     record = {}
     for site in scale_sites(model, set(grams)):
+        if frozen.intersection(site.weights):
+            continue
         W = {w: numpy_helper.to_array(inits[w]).astype(np.float64) for w in site.weights}  # [K, N] each
         H = grams[site.weights[0]]  # the weights of a site read the same activations
         s, alpha, ratio = _site_scale(site, W, H, bits, block_size, symmetric)

@@ -122,12 +122,14 @@ def quantize_weights(model: onnx.ModelProto, cfg: WeightQuantConfig,
         from specdec.quant.calibration import matmul_input_grams
 
         grams = matmul_input_grams(model, calibration, quantizable_weights(model, cfg))
+    # Ranked before any AWQ scales: a weight kept in finer blocks may be on their grid already (see below).
+    sensitive = sensitive_weights(model, cfg, grams) if cfg.sensitive > 0 else {}
     awq_record = None
     if cfg.awq:
         from specdec.quant.awq import scale_for_rounding
 
-        model, grams, awq_record = scale_for_rounding(model, grams, cfg.bits, cfg.block_size, cfg.symmetric)
-    sensitive = sensitive_weights(model, cfg, grams) if cfg.sensitive > 0 else {}
+        frozen = frozenset(sensitive) if cfg.sensitive_block else frozenset()
+        model, grams, awq_record = scale_for_rounding(model, grams, cfg.bits, cfg.block_size, cfg.symmetric, frozen)
     if cfg.method in ("minmax", "gptq"):
         model = quantize_nbits(model, cfg, finer=set(sensitive), grams=grams)
     else:
