@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from specdec.quant.weight_only import rounding_error
+
 # AWQ searches 20 steps over [0, 1]; half as many keeps the search under ~2 minutes for SmolLM2-135M's 120 sites.
 ALPHAS = np.linspace(0.0, 1.0, 11)
 NORM_OPS = {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2}  # op -> gamma's input index
@@ -99,17 +101,6 @@ def scale_sites(model: onnx.ModelProto, quantizable: set[str]) -> list[ScaleSite
     return sites
 
 
-def rounding_error(W: np.ndarray, H: np.ndarray, bits: int, block_size: int, symmetric: bool) -> float:
-    """trace(D^T H D), D = W - (W on min/max block grids): the squared change of the layer's output X W over the
-    calibration activations whose Gram matrix is H [K, K]; W [K, N]."""
-    from specdec.quant.weight_only import _blocks, _dequantize, _grid, _pad
-
-    Wp = _pad(W, block_size)  # [K', N]
-    D = Wp - _dequantize(*_grid(_blocks(Wp, block_size), bits, symmetric)[:3], bits, Wp.shape)
-    D = D[: W.shape[0]].astype(np.float32)  # padded rows meet no activations; fp32 ranks alphas as well as fp64
-    return float((D * (H.astype(np.float32) @ D)).sum(dtype=np.float64))
-
-
 def _site_scale(site: ScaleSite, W: dict[str, np.ndarray], H: np.ndarray, bits: int, block_size: int,
                 symmetric: bool) -> tuple[np.ndarray, float, float]:
     """(s [K], alpha, error / error at alpha 0) for one site."""
@@ -122,7 +113,8 @@ def _site_scale(site: ScaleSite, W: dict[str, np.ndarray], H: np.ndarray, bits: 
     for alpha in ALPHAS:
         s = energy ** alpha
         s = s / np.sqrt(s.max() * s.min())  # centred around 1, as AWQ does: no channel pushed far from fp32 range
-        err = sum(rounding_error(w * s[:, None], H / np.outer(s, s), bits, block_size, symmetric) for w in W.values())
+        err = sum(rounding_error(w * s[:, None], H / np.outer(s, s), bits, block_size, symmetric, np.float32)
+                  for w in W.values())
         if best is None or err < best[1]:
             best = (s, err, alpha)
         if alpha == 0.0:
