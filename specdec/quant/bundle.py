@@ -125,7 +125,8 @@ def quantize_bundle(src: Path, dst: Path, precision: str, force: bool = False, f
                 continue
             (partial / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / rel, partial / rel)
-        step(f"writing target graph ({precision}{', ' + cfg.method if cfg else ''})")
+        step(f"writing target graph ({precision}{', ' + cfg.method if cfg else ''}"
+             f"{', searching AWQ scales first (~2 min for 135M parameters)' if cfg and cfg.awq else ''})")
         # The exact-argmax path gathers the fp32 head's columns: a target whose head is quantized (or fp16) takes
         # its argmax from its own logits again; one whose head stays fp32 keeps the path.
         keeps_argmax_path = cfg is not None and not cfg.quantizes_head
