@@ -463,7 +463,8 @@ def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, dr
 @friendly
 def chat(bundle, max_new_tokens, temperature, top_k, top_p, seed, draft_len, drafter, stop, max_len, provider,
          device, threads, system):
-    """Chat with the bundle. /reset clears the conversation, /exit quits; Ctrl-C stops an answer."""
+    """Chat with the bundle. /reset clears the conversation, /exit quits; Ctrl-C stops an answer. A conversation
+    that outgrows the KV buffer loses its earliest exchanges (the system prompt stays)."""
     cfg = _gen_config(max_new_tokens, temperature, top_k, top_p, seed, draft_len, stop)
     runtime, max_len, cfg = _device_setup(device, bundle, provider, max_len, threads, drafter, cfg)
     engine = _engine(bundle, drafter, max_len, runtime)
@@ -488,6 +489,11 @@ def chat(bundle, max_new_tokens, temperature, top_k, top_p, seed, draft_len, dra
         messages.append({"role": "user", "content": line})
         reply = ""
         try:
+            messages, dropped = engine.fit_conversation(messages, cfg.max_new_tokens)
+            if dropped:
+                which = "earliest exchange" if dropped == 1 else f"{dropped} earliest exchanges"
+                click.echo(f"(the {which} left the conversation: it outgrew the {engine.max_len}-token KV buffer; "
+                           "--max-len raises it)", err=True)
             for piece in engine.stream(messages, cfg):
                 reply += piece
                 click.echo(piece, nl=False)

@@ -296,6 +296,16 @@ def test_chat_session(tiny_bundle):
     assert "(conversation cleared)" in err
 
 
+
+def test_a_long_chat_goes_on_past_the_kv_buffer(tiny_bundle):
+    turns = "".join(f"question {i}: the quick brown fox jumps over the lazy dog\n" for i in range(8))
+    code, out, err = run_cli("chat", tiny_bundle, "--max-new-tokens", 8, "--max-len", 96, "--system", "be brief",
+                             input=turns + "/exit\n")
+    assert code == 0, err
+    assert "Traceback" not in err and "error:" not in err
+    assert len([line for line in err.splitlines() if "tok/s" in line]) == 8, err
+    assert "earliest exchange" in err and "96-token KV buffer" in err
+
 # ----------------------------------------------------------------------------------------------- fp16
 
 def test_export_and_quantize_fp16_then_generate_needs_a_gpu(tmp_path, tiny_checkpoint, tiny_bundle, monkeypatch):

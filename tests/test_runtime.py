@@ -102,6 +102,25 @@ def test_prompt_longer_than_kv_buffer(tiny_bundle):
         e.generate("the quick brown fox " * 10)
 
 
+def test_a_chat_that_outgrows_the_kv_buffer_loses_its_earliest_exchanges(tiny_bundle):
+    e = specdec.load(tiny_bundle, drafter="none", max_len=120)
+    system = [{"role": "system", "content": "be brief"}]
+    turns = []
+    for i in range(12):
+        turns += [{"role": "user", "content": f"question {i}: the quick brown fox"},
+                  {"role": "assistant", "content": f"answer {i}: jumps over the lazy dog"}]
+    last = [{"role": "user", "content": "and now?"}]
+    short = system + turns[:2] + last
+    assert e.fit_conversation(short, 16) == (short, 0)  # fits: unchanged
+    kept, dropped = e.fit_conversation(system + turns + last, 16)
+    assert dropped > 0 and kept[0] == system[0] and kept[-1] == last[0]
+    assert kept[1:] == (turns + last)[2 * dropped:]  # whole exchanges, earliest first
+    assert len(e.encode(kept)) <= (120 - 16) // 2  # trimmed to half the budget: the next turns fit as they are
+    assert len(e.encode(e.fit_conversation(system + turns[2 * dropped - 2:] + last, 16)[0])) <= 120 - 16
+    with pytest.raises(SpecdecError, match="the last message needs"):
+        e.fit_conversation(system + turns[:2] + [{"role": "user", "content": "the quick brown fox " * 30}], 16)
+
+
 def test_generation_stops_when_kv_is_full(tiny_bundle):
     e = specdec.load(tiny_bundle, drafter="model", max_len=40)
     g = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=200, draft_len=4))

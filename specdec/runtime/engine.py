@@ -318,6 +318,34 @@ class Engine:
             return ([bos] if bos is not None else []) + ids
         return self.codec.apply_chat_template(list(prompt))
 
+    def fit_conversation(self, messages: Sequence[dict], reserve: int) -> tuple[list[dict], int]:
+        """The latest part of a chat that leaves `reserve` tokens of the KV buffer (at most half of it) for the
+        answer. Earliest exchanges (a user turn and the replies after it) go first, whole; leading system turns
+        stay. Returns (messages, exchanges dropped). Raises where the system turns and the last exchange alone
+        do not fit."""
+        messages = list(messages)
+        n_system = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+        system, rest = messages[:n_system], messages[n_system:]
+        reserve = min(max(reserve, 1), self.max_len // 2)
+        budget = self.max_len - reserve
+        if len(self.encode(messages)) <= budget:
+            return messages, 0
+        # Once trimming, go down to half the budget (llama.cpp's context shift discards half too): the next
+        # turns then fit again without trimming, so the re-prefill of a changed prefix happens once every few
+        # turns, not on every one.
+        kept, dropped = messages, 0
+        starts = [i for i, m in enumerate(rest) if m.get("role") == "user" and i > 0]  # exchanges 2, 3, ...
+        for dropped, start in enumerate(starts, 1):
+            kept = system + rest[start:]
+            if len(self.encode(kept)) <= budget // 2:
+                break
+        n = len(self.encode(kept))
+        if n > budget:
+            raise SpecdecError(f"the last message needs {n} tokens with the system prompt, but the KV buffer holds "
+                               f"{self.max_len} with {reserve} kept for the answer",
+                               "shorten it, lower --max-new-tokens or raise --max-len")
+        return kept, dropped
+
     def stream_ids(self, prompt_ids: Sequence[int], cfg: GenerationConfig) -> Iterator[list[int]]:
         """Yield token ids as they are accepted (several at once after a good round); stats in last_stats."""
         prompt_ids = list(prompt_ids)
