@@ -436,15 +436,24 @@ def _stats_line(stats) -> str:
 @click.argument("prompt")
 @generation_options
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--system", default=None, help="System prompt.")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Print a stats line after the text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, finish reason, stats).")
 @friendly
 def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, drafter, stop, max_len,
-             provider, device, threads, raw, stats, as_json):
-    """Generate a reply to PROMPT with the bundle, streaming it."""
+             provider, device, threads, raw, system, stats, as_json):
+    """Generate a reply to PROMPT with the bundle, streaming it. PROMPT "-" reads it from stdin."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if system is not None and raw:
+        raise SpecdecError("--system goes into the chat template, which --raw turns off", "drop one of them")
     cfg = _gen_config(max_new_tokens, temperature, top_k, top_p, seed, draft_len, stop, chat=not raw)
     runtime, max_len, cfg = _device_setup(device, bundle, provider, max_len, threads, drafter, cfg)
     engine = _engine(bundle, drafter, max_len, runtime)
+    if system is not None:
+        if not prompt.strip():
+            raise SpecdecError("the prompt is empty", "pass some text")
+        prompt = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
     if as_json:
         g = engine.generate(prompt, cfg)
         click.echo(json.dumps({"text": g.text, "finish_reason": g.finish_reason, "stats": g.stats.to_dict()}))

@@ -287,6 +287,19 @@ def test_generate_json(tiny_bundle):
     assert 0 < g["stats"]["new_tokens"] <= 8 and "tau" in g["stats"]
 
 
+def test_generate_reads_stdin_and_takes_a_system_prompt(tiny_bundle):
+    args = ("generate", tiny_bundle, "--max-new-tokens", 6, "--json")
+    direct = json.loads(run_cli(*args[:2], "the quick brown fox", *args[2:])[1])
+    code, out, err = run_cli(*args[:2], "-", *args[2:], input="the quick brown fox")
+    assert code == 0, err
+    assert json.loads(out)["text"] == direct["text"]
+    code, out, err = run_cli(*args[:2], "the quick brown fox", *args[2:], "--system", "be brief")
+    assert code == 0, err
+    assert json.loads(out)["stats"]["prompt_tokens"] > direct["stats"]["prompt_tokens"]
+    assert_one_error(run_cli(*args[:2], "hi", "--raw", "--system", "be brief"), "--system", "--raw")
+    assert_one_error(run_cli(*args[:2], "-", input="  \n"), "empty")
+
+
 def test_chat_session(tiny_bundle):
     code, out, err = run_cli("chat", tiny_bundle, "--max-new-tokens", 8, input="hello\n/reset\nthe quick\n/exit\n")
     assert code == 0, err
