@@ -465,6 +465,20 @@ def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, dr
         click.echo(_stats_line(engine.last_stats), err=True)
 
 
+BLOCK_MARK = '"""'  # around a chat message of several lines (a pasted document), as ollama's CLI takes them
+
+
+def _read_block(first: str) -> str:
+    """The lines of a chat message from after its opening mark (`first`: the rest of that line) to its closing one."""
+    lines = []
+    line = first
+    while not line.rstrip().endswith(BLOCK_MARK):
+        lines.append(line)
+        line = input("... ")
+    lines.append(line.rstrip()[:-len(BLOCK_MARK)])
+    return "\n".join(lines).strip("\n")
+
+
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @generation_options
@@ -472,17 +486,21 @@ def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, dr
 @friendly
 def chat(bundle, max_new_tokens, temperature, top_k, top_p, seed, draft_len, drafter, stop, max_len, provider,
          device, threads, system):
-    """Chat with the bundle. /reset clears the conversation, /exit quits; Ctrl-C stops an answer. A conversation
-    that outgrows the KV buffer loses its earliest exchanges (the system prompt stays)."""
+    """Chat with the bundle. /reset clears the conversation, /exit quits; Ctrl-C stops an answer; \"\"\" starts
+    and ends a message of several lines. A conversation that outgrows the KV buffer loses its earliest exchanges
+    (the system prompt stays)."""
     cfg = _gen_config(max_new_tokens, temperature, top_k, top_p, seed, draft_len, stop)
     runtime, max_len, cfg = _device_setup(device, bundle, provider, max_len, threads, drafter, cfg)
     engine = _engine(bundle, drafter, max_len, runtime)
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)
-    click.echo("specdec chat: /reset clears the conversation, /exit quits, Ctrl-C stops an answer.", err=True)
+    click.echo('specdec chat: /reset clears the conversation, /exit quits, Ctrl-C stops an answer; """ starts and '
+               'ends a message of several lines.', err=True)
     while True:
         try:
             line = input("> ")
+            if line.lstrip().startswith(BLOCK_MARK):
+                line = _read_block(line.lstrip()[len(BLOCK_MARK):])
         except (EOFError, KeyboardInterrupt):
             click.echo()
             return

@@ -309,6 +309,22 @@ def test_chat_session(tiny_bundle):
     assert "(conversation cleared)" in err
 
 
+def test_chat_takes_a_message_of_several_lines_between_triple_quotes(tiny_bundle, monkeypatch):
+    from specdec.runtime.engine import Engine
+
+    sent = []
+    stream = Engine.stream
+
+    def spy(self, prompt, cfg=None):
+        sent.append(prompt[-1]["content"])
+        return stream(self, prompt, cfg)
+
+    monkeypatch.setattr(Engine, "stream", spy)
+    code, out, err = run_cli("chat", tiny_bundle, "--max-new-tokens", 4,
+                             input='"""Summarize:\nline one\n\nline two"""\n"""one line"""\n"""\nfirst\n"""\n/exit\n')
+    assert code == 0, err
+    assert sent == ["Summarize:\nline one\n\nline two", "one line", "first"]
+
 
 def test_a_long_chat_goes_on_past_the_kv_buffer(tiny_bundle):
     turns = "".join(f"question {i}: the quick brown fox jumps over the lazy dog\n" for i in range(8))
@@ -318,6 +334,7 @@ def test_a_long_chat_goes_on_past_the_kv_buffer(tiny_bundle):
     assert "Traceback" not in err and "error:" not in err
     assert len([line for line in err.splitlines() if "tok/s" in line]) == 8, err
     assert "earliest exchange" in err and "96-token KV buffer" in err
+
 
 # ----------------------------------------------------------------------------------------------- fp16
 

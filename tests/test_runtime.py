@@ -116,7 +116,6 @@ def test_a_chat_that_outgrows_the_kv_buffer_loses_its_earliest_exchanges(tiny_bu
     assert dropped > 0 and kept[0] == system[0] and kept[-1] == last[0]
     assert kept[1:] == (turns + last)[2 * dropped:]  # whole exchanges, earliest first
     assert len(e.encode(kept)) <= (120 - 16) // 2  # trimmed to half the budget: the next turns fit as they are
-    assert len(e.encode(e.fit_conversation(system + turns[2 * dropped - 2:] + last, 16)[0])) <= 120 - 16
     with pytest.raises(SpecdecError, match="the last message needs"):
         e.fit_conversation(system + turns[:2] + [{"role": "user", "content": "the quick brown fox " * 30}], 16)
 
