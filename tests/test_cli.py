@@ -298,6 +298,9 @@ def test_generate_reads_stdin_and_takes_a_system_prompt(tiny_bundle):
     assert json.loads(out)["stats"]["prompt_tokens"] > direct["stats"]["prompt_tokens"]
     assert_one_error(run_cli(*args[:2], "hi", "--raw", "--system", "be brief"), "--system", "--raw")
     assert_one_error(run_cli(*args[:2], "-", input="  \n"), "empty")
+    # bytes that are not UTF-8 reach Python as lone surrogates (argv, stdin), which the tokenizer cannot take
+    assert_one_error(run_cli(*args[:2], "caf\udce9"), "not UTF-8", "iconv")
+    assert_one_error(run_cli(*args[:2], "caf\udce9", "--raw"), "not UTF-8")
 
 
 def test_chat_session(tiny_bundle):
