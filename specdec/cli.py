@@ -668,7 +668,7 @@ def quant_report_cmd(reference, candidates, questions, limit, max_new_tokens, dr
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--questions", type=click.Path(path_type=Path), default=None,
               help="Spec-Bench questions JSONL (default: the copy shipped with specdec).")
-@click.option("--limit", type=int, default=2, show_default=True, help="Questions per category (0 = all).")
+@click.option("--limit", type=click.IntRange(min=0), default=2, show_default=True, help="Questions per category (0 = all).")
 @click.option("--configs", default="ngram:4,corpus:auto,model:4", show_default=True,
               help="Comma-separated DRAFTER:K runs beside plain decoding (K an integer or auto); those the bundle "
                    "cannot run are skipped with a note.")

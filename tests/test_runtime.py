@@ -134,15 +134,29 @@ def test_empty_prompt(engines):
 
 @pytest.mark.parametrize("bad", [
     lambda: SamplingConfig(temperature=-1), lambda: SamplingConfig(top_p=0.0), lambda: SamplingConfig(top_p=1.5),
+    lambda: SamplingConfig(temperature=float("inf")), lambda: SamplingConfig(temperature=float("nan")),
 ])
 def test_bad_sampling_settings(bad):
     with pytest.raises(ValueError):
         bad()
 
 
-def test_negative_draft_len():
-    with pytest.raises(SpecdecError):
-        GenerationConfig(draft_len=-1)
+@pytest.mark.parametrize("bad, message", [
+    (dict(draft_len=-1), "draft length"), (dict(seed=-1), "seed"), (dict(stop=["END", ""]), "stop string"),
+])
+def test_bad_generation_settings(bad, message):
+    with pytest.raises(SpecdecError, match=message):
+        GenerationConfig(**bad)
+
+
+def test_one_stop_string_is_not_split_into_characters():
+    assert GenerationConfig(stop="END").stop == ("END",)
+    assert GenerationConfig(stop=["a", "b"]).stop == ("a", "b")
+
+
+def test_a_kv_buffer_of_zero_tokens_is_refused(tiny_bundle):
+    with pytest.raises(SpecdecError, match="outside 1"):
+        specdec.load(tiny_bundle, drafter="none", max_len=0)
 
 
 def test_manifest_errors(tiny_bundle, tmp_path):

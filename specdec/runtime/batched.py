@@ -319,7 +319,7 @@ class BatchedEngine:
         self.runtime = runtime or RuntimeOptions()
         provider_list(self.runtime)
         m = self.manifest
-        self.max_len = max_len or m.default_max_len
+        self.max_len = m.default_max_len if max_len is None else max_len
         if not 0 < self.max_len <= m.model.max_position:
             raise SpecdecError(f"--max-len {self.max_len} is outside 1..{m.model.max_position} (the model's positions)")
         self.batch_size = batch_size

@@ -61,6 +61,12 @@ class GenerationConfig:
             raise SpecdecError(f"draft length must be an integer >= 0 or 'auto', got {self.draft_len!r}")
         if isinstance(self.draft_len, int) and self.draft_len < 0:
             raise SpecdecError(f"draft length must be >= 0 (0 = no speculation), got {self.draft_len}")
+        if self.seed is not None and self.seed < 0:
+            raise SpecdecError(f"seed must be >= 0, got {self.seed}")
+        if isinstance(self.stop, str):  # one stop string, not one per character
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise SpecdecError("a stop string must not be empty (it would end every answer at its first token)")
         object.__setattr__(self, "stop", tuple(self.stop))
 
 
@@ -128,7 +134,7 @@ class Engine:
         self.manifest: Manifest = read_manifest(self.path, verify_checksums=verify_checksums)
         self.runtime = runtime or RuntimeOptions()
         provider_list(self.runtime)  # an unavailable provider fails here, before KV is allocated on its device
-        self.max_len = max_len or self.manifest.default_max_len
+        self.max_len = self.manifest.default_max_len if max_len is None else max_len
         # Step costs for draft_len="auto", per drafter kind: measured on first use (a calibration is ~40 forwards,
         # too dear to repeat per prompt) or read from an earlier run's, then refined by the rounds run.
         self._costs: dict[str, tuple[list[float], float]] = {}
