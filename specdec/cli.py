@@ -632,9 +632,10 @@ def build_engines_cmd(bundle, device, max_len, rebuild):
 @click.argument("candidates", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--questions", type=click.Path(path_type=Path), default=None,
               help="Spec-Bench questions JSONL (default: the copy shipped with specdec).")
-@click.option("--limit", type=int, default=1, show_default=True, help="Questions per category.")
-@click.option("--max-new-tokens", default=96, show_default=True)
-@click.option("--draft-prompts", type=int, default=None,
+@click.option("--limit", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Questions per category (0 = all).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=96, show_default=True)
+@click.option("--draft-prompts", type=click.IntRange(min=0), default=None,
               help="Measure CANDIDATE drafting for REFERENCE on the first N prompts only (default all; 0 skips): "
                    "a graph with slow single-token kernels drafts one slow step per token.")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the report as JSON.")

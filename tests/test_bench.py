@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from test_cli import run_cli
 
 
@@ -52,6 +54,14 @@ def test_bench_refuses_bad_sampling(tiny_bundle, tmp_path):
 
     assert_one_error(run_cli("bench", tiny_bundle, "--questions", _questions(tmp_path / "q.jsonl"),
                              "--temperature", -1), "temperature")
+
+
+@pytest.mark.parametrize("command", ["bench", "quant-report"])
+def test_a_negative_question_limit_is_one_error_line(tiny_bundle, command):
+    from test_cli import assert_one_error
+
+    extra = [tiny_bundle] if command == "quant-report" else []
+    assert_one_error(run_cli(command, tiny_bundle, *extra, "--limit", -2), "--limit")
 
 
 def test_one_time_costs_stay_out_of_the_timed_runs(tiny_bundle, tmp_path, monkeypatch):
