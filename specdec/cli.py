@@ -627,6 +627,22 @@ def build_engines_cmd(bundle, device, max_len, rebuild):
                f"({record.builder.describe()}) in {time.perf_counter() - t0:.0f} s")
 
 
+def _spec_bench_prompts(questions: Path | None, limit: int) -> list:
+    """The questions of a Spec-Bench JSONL (default: the copy shipped with specdec), `limit` per category (0: all)."""
+    from specdec.spec_bench import load_spec_bench
+
+    questions = questions or DEFAULT_QUESTIONS
+    if not questions.is_file():
+        raise SpecdecError(f"questions file {questions} not found", "pass --questions PATH")
+    try:
+        prompts = load_spec_bench(questions, limit_per_category=limit or None)
+    except ValueError as e:
+        raise SpecdecError(str(e), "pass a Spec-Bench question.jsonl") from None
+    if not prompts:
+        raise SpecdecError(f"{questions} holds no questions", "pass a Spec-Bench question.jsonl")
+    return prompts
+
+
 @main.command("quant-report")
 @click.argument("reference", type=click.Path(path_type=Path))
 @click.argument("candidates", nargs=-1, required=True, type=click.Path(path_type=Path))
@@ -646,12 +662,8 @@ def quant_report_cmd(reference, candidates, questions, limit, max_new_tokens, dr
     from rich.console import Console
 
     from specdec.quant.report import quant_report, render
-    from specdec.spec_bench import load_spec_bench
 
-    questions = questions or DEFAULT_QUESTIONS
-    if not questions.is_file():
-        raise SpecdecError(f"questions file {questions} not found", "pass --questions PATH")
-    prompts = [p.messages for p in load_spec_bench(questions, limit_per_category=limit or None)]
+    prompts = [p.messages for p in _spec_bench_prompts(questions, limit)]
     reports = []
     for candidate in candidates:
         reports.append(quant_report(reference, candidate, prompts, max_new_tokens=max_new_tokens,
@@ -692,16 +704,10 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, th
 
     from specdec.benchmark import BenchConfig, plot, render_table, run_bench
     from specdec.runtime.sampling import SamplingConfig
-    from specdec.spec_bench import load_spec_bench
 
     sampling = _build(SamplingConfig, temperature=temperature, top_k=top_k, top_p=top_p)
     questions = questions or DEFAULT_QUESTIONS
-    if not questions.is_file():
-        raise SpecdecError(f"questions file {questions} not found", "pass --questions PATH")
-    try:
-        prompts = load_spec_bench(questions, limit_per_category=limit or None)
-    except ValueError as e:
-        raise SpecdecError(str(e), "pass a Spec-Bench question.jsonl") from None
+    prompts = _spec_bench_prompts(questions, limit)
     runtime, max_len, _ = _device_setup(device, bundle, None, max_len, threads, drafter="model")
     engine = specdec.load(bundle, max_len=max_len, runtime=runtime)
     wanted = [BenchConfig.parse(c.strip()) for c in configs.split(",") if c.strip()]

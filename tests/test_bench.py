@@ -57,11 +57,15 @@ def test_bench_refuses_bad_sampling(tiny_bundle, tmp_path):
 
 
 @pytest.mark.parametrize("command", ["bench", "quant-report"])
-def test_a_negative_question_limit_is_one_error_line(tiny_bundle, command):
+def test_bad_questions_are_one_error_line(tiny_bundle, command, tmp_path):
     from test_cli import assert_one_error
 
-    extra = [tiny_bundle] if command == "quant-report" else []
-    assert_one_error(run_cli(command, tiny_bundle, *extra, "--limit", -2), "--limit")
+    args = [command, tiny_bundle] + ([tiny_bundle] if command == "quant-report" else [])
+    assert_one_error(run_cli(*args, "--limit", -2), "--limit")
+    (tmp_path / "empty.jsonl").write_text("")
+    assert_one_error(run_cli(*args, "--questions", tmp_path / "empty.jsonl"), "no questions")
+    (tmp_path / "bad.jsonl").write_text('{"id": 1}\n')
+    assert_one_error(run_cli(*args, "--questions", tmp_path / "bad.jsonl"), "bad.jsonl:1", "Spec-Bench")
 
 
 def test_one_time_costs_stay_out_of_the_timed_runs(tiny_bundle, tmp_path, monkeypatch):
