@@ -45,9 +45,6 @@ class TextCodec:
         return self.tok.id_to_token(token_id) or ""
 
     def encode(self, text: str) -> list[int]:
-        return self._ids(text)
-
-    def _ids(self, text: str) -> list[int]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:  # bytes that were not UTF-8, as Python decodes argv and stdin (surrogates)
@@ -65,7 +62,7 @@ class TextCodec:
         text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=bos, eos_token=eos)
         # The template already wrote the special tokens as text; they must map to their ids, not be split.
-        return self._ids(text)
+        return self.encode(text)
 
 
 class StreamDecoder:
