@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.export.distill import _batches, _collate, _kl, _log_probs
+from specdec.export.distill import _batches, _collate, _kl, _log_probs, evaluate
 from specdec.export.prompts import instruction_prompts, target_answers
 from specdec.export.source import load_source
 from specdec.quant.weight_only import _pad, gptq
@@ -89,15 +89,8 @@ class QLinear(torch.nn.Module):
 
 
 def agreement(teacher, student, seqs) -> dict:
-    kl, agree, n = 0.0, 0, 0
-    with torch.no_grad():
-        for idx in _batches(seqs, 2048, range(len(seqs))):
-            ids, attn, rows = _collate(seqs, idx)
-            t, p = _log_probs(teacher, ids, attn, rows), _log_probs(student, ids, attn, rows)
-            kl += float(_kl(p, t, "sum"))
-            agree += int((p.argmax(-1) == t.argmax(-1)).sum())
-            n += int(rows.sum())
-    return {"kl": round(kl / n, 4), "top1_agreement": round(agree / n, 4), "tokens": n}
+    r = evaluate(teacher, student, seqs, batch_tokens=2048)
+    return {"kl": round(r["kl"], 4), "top1_agreement": round(r["agreement"], 4), "tokens": r["tokens"]}
 
 
 def main() -> None:
