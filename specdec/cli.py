@@ -88,9 +88,11 @@ def _parse_draft_len(ctx, param, value):
 @click.argument("model", required=False)
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Bundle folder to write.")
 @click.option("--drafter", default="ngram", show_default=True,
-              help="none | ngram | self-int8 | self-int4 | layerskip | eagle | medusa | model:PATH (another specdec bundle).")
-@click.option("--precision", default="fp32", show_default=True,
-              help="Target precision: fp32 | fp16 (for GPUs) | int8 | int4.")
+              help="none | ngram | self-int8 | self-int4 | layerskip | eagle | medusa | model:PATH (another specdec bundle, "
+                   "or a GGUF file exported into this bundle).")
+@click.option("--precision", default="auto", show_default=True,
+              help="Target precision: gguf (a quantized GGUF's own codes, streamed) | fp32 | fp16 (for GPUs) | int8 | "
+                   "int4. auto: gguf for a quantized GGUF with drafter none, ngram or model:PATH, else fp32.")
 @click.option("--max-len", default=2048, show_default=True, help="Default KV buffer length (tokens).")
 @click.option("--draft-len", callback=_parse_draft_len, default=None,
               help="Default drafted tokens per round, or auto (default: auto for ngram, else 4).")
@@ -152,24 +154,38 @@ def _note_int8_weight_only(precision: str, fast_kernels: bool) -> None:
 
 @contextlib.contextmanager
 def _stage_progress():
-    """A spinner line per stage of a long job; yields `step(description)`, called as each stage starts. Without a
-    terminal each stage is one '- description' line on stderr instead."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    """A spinner line per stage of a long job; yields `step(description)`, called as each stage starts, whose
+    `step.progress(done, total)` fills the current stage's bar (layers written) with an ETA. Without a terminal
+    each stage is one '- description' line on stderr instead, and progress a line per quarter."""
+    from rich.progress import (BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False,
-                  disable=not sys.stderr.isatty(), console=None) as progress:
+    tty = sys.stderr.isatty()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24), TaskProgressColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(), transient=False, disable=not tty, console=None) as bar:
         current = []
+        quarters = []
 
         def step(desc: str) -> None:
             if current:
-                progress.update(current[-1], completed=1, total=1)
-            current.append(progress.add_task(desc, total=None))
-            if not sys.stderr.isatty():
+                bar.update(current[-1], completed=1, total=1)
+            current.append(bar.add_task(desc, total=None))
+            quarters.clear()
+            if not tty:
                 click.echo(f"- {desc}", err=True)
 
+        def progress(done: int, total: int) -> None:
+            if current:
+                bar.update(current[-1], completed=done, total=total)
+            q = 4 * done // max(total, 1)
+            if not tty and 0 < q < 4 and q not in quarters:
+                quarters.append(q)
+                click.echo(f"  {done}/{total}", err=True)
+
+        step.progress = progress
         yield step
         if current:
-            progress.update(current[-1], completed=1, total=1)
+            bar.update(current[-1], completed=1, total=1)
 
 
 def _print_layerskip_calibration(spec) -> None:

@@ -27,8 +27,13 @@ from specdec.runtime.manifest import (ARGMAX_ROWS, ATTENTION_BIAS, LOGITS_ROWS, 
 from specdec.runtime.tokenizer import vocab_digest
 
 DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "layerskip", "eagle", "medusa", "model:PATH")
-# fp16 is for GPUs (a CPU runs the fp32 graph faster); int8/int4 are weight-only with fp32 activations.
-EXPORT_PRECISIONS = ("fp32", "fp16", *TARGET_PRESETS)
+# fp16 is for GPUs (a CPU runs the fp32 graph faster); int8/int4 are weight-only with fp32 activations. "gguf"
+# carries a quantized GGUF's own codes (export/gguf_export.py); "auto" is "gguf" for a quantized GGUF whose drafter
+# the streaming export writes (GGUF_DRAFTERS), else fp32.
+EXPORT_PRECISIONS = ("auto", "fp32", "fp16", *TARGET_PRESETS, "gguf")
+# Drafters a streamed GGUF export writes: the lookup drafters, and a draft model given as a bundle or a GGUF file.
+# The others (self-int8/int4, layerskip, eagle, medusa) are built from the fp32 torch model.
+GGUF_DRAFTERS = ("none", "ngram")
 # A LayerSkip split (exit + tail) runs the target's own arithmetic: it may differ from the whole graph only by
 # kernel rounding (fp32 ~1e-5; fp16 and the weight-only kernels' fp32 accumulation ~1e-3).
 SPLIT_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "int8": 1e-2, "int4": 1e-2}
@@ -45,7 +50,7 @@ DEFAULT_DRAFT_LEN = {"ngram": "auto", "other": 4}
 @dataclass(frozen=True)
 class ExportConfig:
     drafter: str = "ngram"
-    precision: str = "fp32"
+    precision: str = "auto"
     max_len: int = 2048  # default KV buffer length a runtime allocates (it can ask for another)
     # The bundle's default draft length; None: DEFAULT_DRAFT_LEN for the drafter.
     draft_len: int | str | None = None
@@ -70,6 +75,9 @@ class ExportConfig:
     def __post_init__(self) -> None:
         if self.precision not in EXPORT_PRECISIONS:
             raise SpecdecError(f"unknown precision {self.precision!r}", f"choose one of {', '.join(EXPORT_PRECISIONS)}")
+        if self.precision == "gguf" and not self.streams_gguf:
+            raise SpecdecError(f"--drafter {self.drafter} is built from the fp32 model, not from a GGUF's own codes",
+                               "export with --precision fp32 (or int8/int4), or use --drafter none, ngram or model:PATH")
         if self.fast_kernels and self.precision not in FAST_TARGET_PRESETS:
             raise SpecdecError(f"--fast-kernels applies to --precision {' or '.join(FAST_TARGET_PRESETS)}, not "
                                f"{self.precision}")
@@ -87,6 +95,11 @@ class ExportConfig:
         if not (self.draft_len is None or self.draft_len == "auto"
                 or (type(self.draft_len) is int and self.draft_len > 0)):
             raise SpecdecError(f"--draft-len must be an integer > 0 or 'auto', got {self.draft_len!r}")
+
+    @property
+    def streams_gguf(self) -> bool:
+        """Whether a GGUF target with this drafter can be streamed (export/gguf_export.py)."""
+        return self.drafter in GGUF_DRAFTERS or self.drafter.startswith("model:")
 
     @property
     def default_draft_len(self) -> int | str:
@@ -152,12 +165,26 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
     out_dir = Path(out_dir)
     if out_dir.exists() and not cfg.force:
         raise SpecdecError(f"output folder {out_dir} already exists", "pass --force to replace it")
-    draft_bundle = draft_manifest = None
+    draft_bundle = draft_manifest = draft_gguf = None
     if cfg.drafter.startswith("model:"):
         draft_bundle = Path(cfg.drafter.split(":", 1)[1])
-        draft_manifest = read_manifest(draft_bundle)  # fail early, before the slow target load
+        if is_gguf(draft_bundle):
+            draft_gguf, draft_bundle = draft_bundle, None
+        else:
+            draft_manifest = read_manifest(draft_bundle)  # fail early, before the slow target load
 
-    from specdec.export.source import load_source
+    from specdec.export.source import default_model_path, load_source
+
+    model_path = Path(model_path) if model_path is not None else default_model_path()
+    precision = cfg.precision
+    if precision == "auto":
+        precision = "gguf" if cfg.streams_gguf and is_gguf(model_path) and gguf_is_quantized(model_path) else "fp32"
+    if precision == "gguf" and not is_gguf(model_path):
+        raise SpecdecError(f"--precision gguf carries a GGUF file's own codes; {model_path} is not a GGUF file",
+                           "export with --precision fp32, int8 or int4")
+    if is_gguf(model_path) and precision in ("gguf", "fp32", "fp16") and cfg.streams_gguf:
+        return _export_gguf(model_path, out_dir, replace(cfg, precision=precision), step, draft_bundle, draft_gguf)
+    cfg = replace(cfg, precision=precision)
 
     step("loading model")
     source = load_source(model_path)
@@ -283,6 +310,9 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             step(f"copying draft model from {draft_bundle}")
             graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)
             drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
+        elif draft_gguf is not None:
+            graphs["draft"] = _stream_gguf_draft(draft_gguf, partial, tok_spec, step)
+            drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
 
         if cfg.corpus:
             from specdec.export.corpus import CORPUS_FILE, shipped_corpus
@@ -329,3 +359,109 @@ def _copy_draft_bundle(src: Path, dst: Path, target_tok: TokenizerSpec) -> Graph
         shutil.copy2(src / f, dst / "draft" / f)
     return GraphSpec(file=f"draft/{g.file}", model=g.model, precision=g.precision, n_layers=g.n_layers,
                      inputs=g.inputs, outputs=g.outputs, hidden_layers=g.hidden_layers, quant=g.quant, checks=g.checks)
+
+
+def is_gguf(path: Path) -> bool:
+    from specdec.export.source import GGUF_MAGIC
+
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def gguf_is_quantized(path: Path) -> bool:
+    """Whether a GGUF's matrices are stored quantized (its own precision is then not fp32)."""
+    from specdec.export.gguf_source import GGUFSource
+
+    return any(fmt not in ("F32", "F16", "BF16") for fmt in GGUFSource(path).formats())
+
+
+def _tokenizer_spec(tok, folder: Path, eos: tuple[int, ...]) -> TokenizerSpec:
+    """Save `tok` (transformers fast tokenizer) into `folder` and describe it."""
+    from tokenizers import Tokenizer
+
+    tok.backend_tokenizer.save(str(folder / "tokenizer.json"))
+    return TokenizerSpec(file="tokenizer.json", bos_token_id=tok.bos_token_id, eos_token_ids=eos,
+                         chat_template=tok.chat_template if isinstance(tok.chat_template, str) else None,
+                         vocab_digest=vocab_digest(Tokenizer.from_file(str(folder / "tokenizer.json"))))
+
+
+def _stream_gguf_draft(path: Path, partial: Path, target_tok: TokenizerSpec, step) -> GraphSpec:
+    """A draft model given as a GGUF file, streamed at its own precision into `draft/`: same vocabulary as the
+    target or one error before any graph is written."""
+    from specdec.export.gguf_export import export_gguf_graph
+    from specdec.export.gguf_source import GGUFSource, load_tokenizer
+
+    step(f"reading draft model {path.name}")
+    src = GGUFSource(path)
+    tok = load_tokenizer(path)
+    digest = vocab_digest(tok.backend_tokenizer)
+    if digest != target_tok.vocab_digest:
+        raise SpecdecError(f"draft model {path} has a different vocabulary from the target "
+                           f"(vocab digest {digest[:12]} vs {target_tok.vocab_digest[:12]})",
+                           "a draft model must share the target's tokenizer")
+    precision = "gguf" if any(f not in ("F32", "F16", "BF16") for f in src.formats()) else "fp32"
+    (partial / "draft").mkdir(exist_ok=True)
+    step(f"writing draft graph ({precision}) from {path.name}")
+    spec = export_gguf_graph(src, partial / "draft" / "target.onnx", precision, step, what="draft")
+    return replace(spec, file="draft/target.onnx")
+
+
+def _export_gguf(model_path: Path, out_dir: Path, cfg: ExportConfig, step, draft_bundle: Path | None,
+                 draft_gguf: Path | None) -> Manifest:
+    """A GGUF target streamed tensor by tensor into the bundle (export/gguf_export.py): bounded memory at any
+    model size, the file's own quantized codes with precision "gguf"."""
+    from specdec.export.gguf_export import export_gguf_graph, gguf_fingerprint
+    from specdec.export.gguf_source import GGUFSource, load_tokenizer
+
+    step(f"reading {model_path.name}")
+    src = GGUFSource(model_path)
+    model_cfg = src.config
+    if cfg.max_len > model_cfg.max_position:
+        raise SpecdecError(f"--max-len {cfg.max_len} exceeds the model's {model_cfg.max_position} positions")
+    tok = load_tokenizer(model_path)
+    draft_manifest = read_manifest(draft_bundle) if draft_bundle is not None else None
+    if draft_manifest is not None:
+        _check_same_vocab(draft_bundle, draft_manifest, vocab_digest(tok.backend_tokenizer))
+    with staged_folder(out_dir) as partial:
+        step(f"writing target graph ({cfg.precision}, {model_cfg.n_layers} layers)")
+        graphs = {"target": export_gguf_graph(src, partial / "target.onnx", cfg.precision, step)}
+        step("writing tokenizer")
+        eos = _gguf_eos_ids(src, tok)
+        tok_spec = _tokenizer_spec(tok, partial, eos)
+        drafter = DrafterSpec(kind="none", draft_len=cfg.default_draft_len)
+        if cfg.drafter == "ngram":
+            drafter = DrafterSpec(kind="ngram", max_ngram=cfg.max_ngram, draft_len=cfg.default_draft_len)
+        elif draft_bundle is not None:
+            step(f"copying draft model from {draft_bundle}")
+            graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)
+            drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
+        elif draft_gguf is not None:
+            graphs["draft"] = _stream_gguf_draft(draft_gguf, partial, tok_spec, step)
+            drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
+        if cfg.corpus:
+            from specdec.export.corpus import CORPUS_FILE, shipped_corpus
+
+            shipped = shipped_corpus(gguf_fingerprint(src))
+            if shipped is not None:
+                step("copying the corpus of the target's answers shipped with specdec")
+                shutil.copyfile(shipped, partial / CORPUS_FILE)
+                drafter = replace(drafter, corpus=CORPUS_FILE)
+        step("writing manifest")
+        manifest = Manifest(tokenizer=tok_spec, graphs=graphs, drafter=drafter, files=bundle_files(partial),
+                            default_max_len=cfg.max_len, source=str(model_path),
+                            created_by=f"specdec {specdec.__version__}")
+        (partial / MANIFEST_NAME).write_text(manifest.to_json())
+    return manifest
+
+
+def _gguf_eos_ids(src, tok) -> tuple[int, ...]:
+    ids = []
+    for cand in (src._field("tokenizer.ggml.eos_token_id"), tok.eos_token_id):
+        if cand is not None and int(cand) not in ids:
+            ids.append(int(cand))
+    if not ids:
+        raise SpecdecError("the model defines no end-of-sequence token", "add tokenizer.ggml.eos_token_id to the GGUF")
+    return tuple(ids)

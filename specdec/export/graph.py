@@ -27,6 +27,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specdec.export.exact_argmax import add_exact_argmax
+from specdec.export.gguf_blocks import Carried
 from specdec.runtime.manifest import ARGMAX_ROWS, ATTENTION_BIAS, FEATURES, LOGITS_ROWS, ModelConfig
 
 OPSET = 17
@@ -142,16 +143,30 @@ GRAPH_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
 class _Builder:
-    def __init__(self, dtype=np.float32) -> None:
+    """Nodes and initializers of one graph. With a `sink` (export/external.py's ExternalData), every initializer's
+    bytes go to the bundle's weight file as it is made and the graph keeps a reference: a model is written one
+    tensor at a time, never held whole."""
+
+    def __init__(self, dtype=np.float32, sink=None, accuracy_level: int = 4) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.dtype = np.dtype(dtype)
+        self.sink = sink
+        self.accuracy_level = accuracy_level  # MatMulNBits kernels of carried (GGUF-quantized) weights
+        self.block_sums: dict = {}  # (activation, block size) -> its block sums, shared by the weights reading it
+        self._names: set[str] = set()
         self._n = 0
 
     def init(self, name: str, arr: np.ndarray) -> str:
         """A float initializer, rounded once from its source precision to the graph's float type."""
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=self.dtype), name))
-        return name
+        return self.add(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=self.dtype), name))
+
+    def add(self, tensor: onnx.TensorProto) -> str:
+        """An initializer as it is (its own type); one already added under the name is kept (shared codes)."""
+        if tensor.name not in self._names:
+            self._names.add(tensor.name)
+            self.inits.append(self.sink.put(tensor) if self.sink is not None else tensor)
+        return tensor.name
 
     def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", name: str | None = None,
            outputs: list[str] | None = None, **attrs) -> list[str]:
@@ -162,12 +177,54 @@ class _Builder:
         return outs
 
 
+def _linear(b: _Builder, x: str, weight, name: str, out: str | None = None) -> str:
+    """y = x @ W. `weight`: [in, out] float array (MatMul), Carried codes [out, nb, block] (MatMulNBits, plus the
+    offset term of formats with block minimums), or a tuple of those whose outputs are concatenated (a fused QKV
+    whose parts a GGUF stores in different formats)."""
+    if isinstance(weight, tuple):
+        parts = [_linear(b, x, w_part, f"{name}.{j}") for j, w_part in enumerate(weight)]
+        return b.op("Concat", parts, name=f"{name}.concat", axis=-1)[0]
+    if isinstance(weight, Carried):
+        from specdec.quant.weight_only import _emit_nbits
+
+        K = weight.q.shape[1] * weight.block_size
+        y = out or f"{name}/out0"
+        nodes, inits = _emit_nbits(x, y, name, (weight.q, weight.scale, weight.offset), weight.bits,
+                                   weight.block_size, K, b.accuracy_level, sums=b.block_sums)
+        for t in inits:
+            b.add(t)
+        b.nodes.extend(nodes)
+        return y
+    return b.op("MatMul", [x, b.init(f"{name}.weight", weight)], name=name, outputs=[out] if out else None)[0]
+
+
+def _embed_carried(b: _Builder, table: Carried, codes_name: str) -> str:
+    """Token embeddings [B,T,D] gathered from a GGUF table's own codes: GatherBlockQuantized dequantizes the T rows
+    (`codes_name`: the LM head's MatMulNBits codes where the head is this table, so they are stored once)."""
+    from specdec.quant.weight_only import _pack
+
+    V, nb, bs = table.q.shape
+    b.add(numpy_helper.from_array(_pack(table.q, table.bits), codes_name))  # [V, nb, bs*bits/8]
+    ins = [codes_name, "input_ids", b.add(numpy_helper.from_array(table.scale.reshape(V, nb, 1), "embed.scales"))]
+    if table.offset is not None or table.bits == 8:  # GatherBlockQuantized's 8-bit zero point must be given
+        zp = 0 if table.offset is not None else 128
+        ins.append(b.add(numpy_helper.from_array(np.full((V, nb, 1), zp, dtype=np.uint8), "embed.zero_points")))
+    blocks = b.op("GatherBlockQuantized", ins, name="embed", domain=MS, gather_axis=0, quantize_axis=2,
+                  block_size=bs, bits=table.bits)[0]  # [B,T,nb,bs]
+    if table.offset is not None:
+        offsets = b.add(numpy_helper.from_array(table.offset.reshape(V, nb, 1), "embed.offsets"))
+        rows = b.op("Gather", [offsets, "input_ids"], name="embed.offsets")[0]  # [B,T,nb,1]
+        blocks = b.op("Add", [blocks, rows], name="embed.add_offsets")[0]  # [B,T,nb,bs]
+    shape = b.add(numpy_helper.from_array(np.array([0, 0, nb * bs], dtype=np.int64), "embed.shape"))
+    return b.op("Reshape", [blocks, shape], name="embed.reshape")[0]  # [B,T,D]
+
+
 def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tuple[int, ...] = (),
                         n_layers: int | None = None, dtype=np.float32, first_layer: int = 0,
                         logits: bool = True, features: FeatureEntry | None = None,
                         head_vocab: np.ndarray | None = None, tree: bool = False,
                         argmax: bool = False, logits_rows: bool = False,
-                        exact_argmax: bool = False) -> onnx.ModelProto:
+                        exact_argmax: bool = False, sink=None, accuracy_level: int = 4) -> onnx.ModelProto:
     """Write the decoder as ONNX: layers [first_layer, n_layers), then (if `logits`) final norm and LM head.
 
     `n_layers` < cfg.n_layers keeps only the first layers (early exit); `first_layer` > 0 starts from the
@@ -186,6 +243,9 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     `exact_argmax` (fp32, with argmax and logits_rows) adds the input `argmax_rows` [A] int64 and computes the
     `argmax` output [B,A] for those positions from 8-bit scores and a proven error bound (export/exact_argmax.py):
     greedy steps read a quarter of the head's bytes and ask logits_rows for no row.
+    `w` may hold GGUF codes (Carried) in place of float matrices, and its layers may be loaded one at a time (export/
+    gguf_source.py); with a `sink` each initializer is written out as it is made (see _Builder). `accuracy_level` is
+    the MatMulNBits kernel of Carried weights.
     """
     if (argmax or logits_rows) and not logits:
         raise ValueError("argmax and logits_rows need the logits")
@@ -204,7 +264,7 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     if bad_taps:
         raise ValueError(f"hidden taps {bad_taps} outside {first_layer}..{n_layers}")
     D, N, KV, H = cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    b = _Builder(dtype)
+    b = _Builder(dtype, sink=sink, accuracy_level=accuracy_level)
     eps = float(cfg.rms_eps)
     float_type = helper.np_dtype_to_tensor_dtype(b.dtype)
 
@@ -214,8 +274,13 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     cos = b.init("rope.cos", np.cos(t) * w.rope_scale)
     sin = b.init("rope.sin", np.sin(t) * w.rope_scale)
     head = None
+    carried_head = isinstance(w.lm_head if w.lm_head is not None else w.embed, Carried)
+    if carried_head and (head_vocab is not None or exact_argmax or features is not None):
+        raise ValueError("a graph with GGUF codes as its head has no draft-vocabulary head, exact argmax or features")
     if first_layer:
         x = HIDDEN_IN  # [B,T,D]
+    elif isinstance(w.embed, Carried):
+        x = _embed_carried(b, w.embed, "lm_head.qweight" if w.lm_head is None else "embed.qweight")  # [B,T,D]
     elif w.lm_head is None:
         # Tied head: store the matrix once, as the head's [D, V] MatMul weight (MatMul beats Gemm with
         # transB at verification widths), and look embeddings up as its columns.
@@ -235,7 +300,7 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     if logits and head_vocab is not None:
         full = w.embed.T if w.lm_head is None else w.lm_head  # [D, V]
         head = b.init("draft_head.weight", np.ascontiguousarray(full[:, np.asarray(head_vocab)]))  # [D, N]
-    elif logits and head is None:
+    elif logits and head is None and not carried_head:
         head = b.init("lm_head.weight", np.ascontiguousarray(w.embed.T) if w.lm_head is None else w.lm_head)
     taps: dict[int, str] = {first_layer: x}
     residual = None
@@ -250,7 +315,7 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
             h, _, _, residual = b.op("SkipSimplifiedLayerNormalization", [pending, residual, g_in], n_out=4,
                                      domain=MS, name=f"layers.{i}.input_norm", epsilon=eps)
             taps[i] = residual
-        qkv = b.op("MatMul", [h, b.init(f"layers.{i}.qkv.weight", lw.qkv)], name=f"layers.{i}.qkv")[0]  # [B,T,(N+2KV)H]
+        qkv = _linear(b, h, lw.qkv, f"layers.{i}.qkv")  # [B,T,(N+2KV)H]
         if lw.qkv_bias is not None:
             qkv = b.op("Add", [qkv, b.init(f"layers.{i}.qkv.bias", lw.qkv_bias)], name=f"layers.{i}.qkv_bias")[0]
         # Packed QKV: key/value inputs left empty. The KV buffers are shared past/present.
@@ -260,15 +325,14 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
                     outputs=[f"layers.{i}.attn", f"present.{i}.key", f"present.{i}.value"],
                     domain=MS, name=f"layers.{i}.gqa", num_heads=N, kv_num_heads=KV, do_rotary=1,
                     rotary_interleaved=0, scale=float(H ** -0.5))[0]  # [B,T,N*H]
-        o = b.op("MatMul", [attn, b.init(f"layers.{i}.o_proj.weight", lw.o_proj)], name=f"layers.{i}.o_proj")[0]
+        o = _linear(b, attn, lw.o_proj, f"layers.{i}.o_proj")  # [B,T,D]
         h, _, _, residual = b.op("SkipSimplifiedLayerNormalization",
                                  [o, residual, b.init(f"layers.{i}.post_norm", lw.post_norm)], n_out=4,
                                  domain=MS, name=f"layers.{i}.post_norm", epsilon=eps)
-        gate = b.op("MatMul", [h, b.init(f"layers.{i}.gate.weight", lw.gate)], name=f"layers.{i}.gate")[0]  # [B,T,F]
-        up = b.op("MatMul", [h, b.init(f"layers.{i}.up.weight", lw.up)], name=f"layers.{i}.up")[0]  # [B,T,F]
+        gate = _linear(b, h, lw.gate, f"layers.{i}.gate")  # [B,T,F]
+        up = _linear(b, h, lw.up, f"layers.{i}.up")  # [B,T,F]
         act = b.op("Mul", [gate, b.op("Sigmoid", [gate], name=f"layers.{i}.sigmoid")[0]], name=f"layers.{i}.silu")[0]
-        pending = b.op("MatMul", [b.op("Mul", [act, up], name=f"layers.{i}.gated")[0],
-                                  b.init(f"layers.{i}.down.weight", lw.down)], name=f"layers.{i}.down")[0]
+        pending = _linear(b, b.op("Mul", [act, up], name=f"layers.{i}.gated")[0], lw.down, f"layers.{i}.down")
     if logits:
         normed, _, _, residual = b.op("SkipSimplifiedLayerNormalization",
                                       [pending, residual, b.init("final_norm", w.final_norm)], n_out=4,
@@ -276,7 +340,10 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         if exact_argmax:
             add_exact_argmax(b, normed, head, w.embed.T if w.lm_head is None else w.lm_head)  # [B,A]
         rows = b.op("Gather", [normed, LOGITS_ROWS], name="logits_rows", axis=1)[0] if logits_rows else normed
-        b.op("MatMul", [rows, head], outputs=["logits"], name="lm_head")  # [B,R,V] (R = T without logits_rows)
+        if carried_head:
+            _linear(b, rows, w.embed if w.lm_head is None else w.lm_head, "lm_head", out="logits")  # [B,R,V]
+        else:
+            b.op("MatMul", [rows, head], outputs=["logits"], name="lm_head")  # [B,R,V] (R = T without logits_rows)
         if argmax and not exact_argmax:
             b.op("ArgMax", ["logits"], outputs=["argmax"], name="argmax", axis=-1, keepdims=0)  # [B,T]
     else:  # one fp32 add, bit for bit the sum the next layer's SkipSimplifiedLayerNormalization forms

@@ -1,0 +1,340 @@
+"""A GGUF file read lazily: config from its metadata, weights one tensor at a time from the memory-mapped file.
+
+`GGUFSource.weights(carry=True)` gives the graph writer a DecoderWeights-like object whose layers are read when the
+writer reaches them: quantized tensors as their own codes (export/gguf_blocks.py's Carried), or, with carry=False,
+dequantized to float32. Nothing holds more than one layer's weights. `reference_logits` runs the same weights
+through a plain numpy forward, one layer resident at a time: the export's check of the graph it wrote.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specdec.errors import SpecdecError
+from specdec.export.gguf_blocks import CARRIED, FLOAT_TYPES, Carried, carry
+from specdec.export.graph import LayerWeights
+from specdec.runtime.manifest import ModelConfig
+
+ARCHITECTURES = ("llama", "qwen2", "mistral")  # pre-norm decoders with RMSNorm, rotary, GQA and SwiGLU
+
+
+def _hf_unpermute(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order undoing llama.cpp's permutation of Q/K rows in Llama GGUFs (its rotary pairs adjacent values;
+    Hugging Face's, and GroupQueryAttention's non-interleaved rotary, pair the two halves of a head)."""
+    idx = np.arange(n_rows)
+    return idx.reshape(n_head, n_rows // n_head // 2, 2).swapaxes(1, 2).reshape(n_rows)
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    fmt: str  # ggml type name: Q4_K, F32, ...
+    shape: tuple[int, ...]  # numpy order: [rows, K] for matrices
+    data: np.ndarray  # memory-mapped: quantized [rows, bytes per row] uint8, float types as their numpy arrays
+
+
+class GGUFSource:
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        try:
+            self.reader = GGUFReader(self.path, "r")
+        except Exception as e:  # a truncated or corrupt file: gguf raises ValueError, IndexError, struct errors
+            raise SpecdecError(f"cannot read GGUF file {self.path}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}",
+                               "the file may be truncated or corrupt; download it again") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        # The metadata's scalars; its arrays (the tokenizer's ~150k tokens and merges, ~0.5 GB as Python objects)
+        # are dropped here: the tokenizer is read separately (load_tokenizer).
+        self.meta = {k: f.contents() for k, f in self.reader.fields.items() if len(f.data) == 1 and
+                     not k.startswith("tokenizer.ggml.") or k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id")}
+        self.reader.fields.clear()
+        self.arch = self._field("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise SpecdecError(f"unsupported architecture {self.arch!r} in {self.path.name}",
+                               f"supported: {', '.join(ARCHITECTURES)}")
+        missing = [n for n in ("token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight") if n not in self.tensors]
+        if missing:
+            raise SpecdecError(f"{self.path.name} lacks tensors {missing}", "the file may be truncated or corrupt")
+        self.config = self._config()
+
+    # ------------------------------------------------------------------------------------------ metadata
+    def _field(self, key: str, default=None):
+        return self.meta.get(key, default)
+
+    def release(self) -> None:
+        """Drop the mapped file's pages from this process's resident memory (they stay in the page cache): the
+        tensors read so far are converted and written, and RSS stays one layer deep."""
+        import mmap
+
+        m = getattr(self.reader.data, "_mmap", None)
+        if m is not None and hasattr(mmap, "MADV_DONTNEED"):
+            m.madvise(mmap.MADV_DONTNEED)
+
+    def _config(self) -> ModelConfig:
+        a = self.arch
+        n_heads = int(self._field(f"{a}.attention.head_count"))
+        hidden = int(self._field(f"{a}.embedding_length"))
+        scaling = self._field(f"{a}.rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise SpecdecError(f"{self.path.name} uses rope scaling {scaling!r}, which the exporter does not carry",
+                               "please report this model")
+        return ModelConfig(
+            model_type=a,
+            n_layers=int(self._field(f"{a}.block_count")),
+            hidden_size=hidden,
+            n_heads=n_heads,
+            n_kv_heads=int(self._field(f"{a}.attention.head_count_kv", n_heads)),
+            head_dim=int(self._field(f"{a}.attention.key_length", hidden // n_heads)),
+            intermediate_size=int(self._field(f"{a}.feed_forward_length")),
+            vocab_size=int(self.tensors["token_embd.weight"].shape[1]),
+            max_position=int(self._field(f"{a}.context_length", 2048)),
+            rms_eps=float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_embeddings="output.weight" not in self.tensors,
+            attention_bias="blk.0.attn_q.bias" in self.tensors,
+        )
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self._field(f"{self.arch}.rope.freq_base", 10000.0))
+
+    def inv_freq(self) -> np.ndarray:
+        H = self.config.head_dim
+        return (1.0 / self.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)).astype(np.float32)
+
+    def formats(self) -> dict[str, int]:
+        """Tensor count per ggml type."""
+        out: dict[str, int] = {}
+        for t in self.tensors.values():
+            out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
+        return out
+
+    def not_carried(self) -> list[tuple[str, str]]:
+        """(tensor, type) of the matrices whose type has no exact MatMulNBits form."""
+        return [(t.name, t.tensor_type.name) for t in self.tensors.values()
+                if len(t.shape) == 2 and t.tensor_type.name not in CARRIED and t.tensor_type.name not in FLOAT_TYPES]
+
+    # ------------------------------------------------------------------------------------------ tensors
+    def tensor(self, name: str) -> GGUFTensor:
+        t = self.tensors[name]
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        return GGUFTensor(name, t.tensor_type.name, shape, t.data)
+
+    def floats(self, name: str) -> np.ndarray:
+        """A tensor dequantized to float32, numpy order ([rows, K] for matrices)."""
+        t = self.tensor(name)
+        if t.fmt in ("F32", "F16"):
+            return np.asarray(t.data, dtype=np.float32).reshape(t.shape)
+        if t.fmt in CARRIED:
+            return carry(t.fmt, np.asarray(t.data).reshape(t.shape[0], -1), t.shape[-1]).dequantize()
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        return dequantize(np.asarray(t.data), GGMLQuantizationType[t.fmt]).astype(np.float32).reshape(t.shape)
+
+    def float_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows of a matrix dequantized to float32 [len(rows), K], without dequantizing the rest."""
+        t = self.tensor(name)
+        if t.fmt in CARRIED:
+            return carry(t.fmt, np.asarray(t.data).reshape(t.shape[0], -1)[rows], t.shape[1]).dequantize()
+        if t.fmt in FLOAT_TYPES[:2]:
+            return np.asarray(t.data, dtype=np.float32).reshape(t.shape)[rows]
+        return self.floats(name)[rows]
+
+    def matrix(self, name: str, carry_codes: bool, rows: np.ndarray | None = None):
+        """A weight [out, in] as Carried codes (carry_codes, quantized types) or as float32 [in, out] for MatMul;
+        `rows` reorders its output rows."""
+        t = self.tensor(name)
+        if carry_codes and t.fmt not in FLOAT_TYPES:
+            if t.fmt not in CARRIED:
+                raise SpecdecError(f"tensor {name} is {t.fmt}, which specdec cannot carry exactly into onnxruntime's "
+                                   f"kernels (carried: {', '.join(CARRIED)})",
+                                   "export with --precision fp32 to dequantize it (a larger, slower bundle)")
+            raw = np.asarray(t.data).reshape(t.shape[0], -1)
+            return _carry_chunked(t.fmt, raw if rows is None else raw[rows], t.shape[1])
+        w = self.floats(name)
+        return np.ascontiguousarray((w if rows is None else w[rows]).T)
+
+    def weights(self, carry_codes: bool) -> "LazyWeights":
+        return LazyWeights(self, carry_codes)
+
+
+CHUNK_ROWS = 4096  # rows decoded at a time: an embedding's decoding intermediates stay ~50 MB, not GBs
+
+
+def _carry_chunked(fmt: str, raw: np.ndarray, K: int) -> Carried:
+    """carry() a slice of rows at a time into preallocated grids."""
+    first = carry(fmt, raw[:CHUNK_ROWS], K)
+    if raw.shape[0] <= CHUNK_ROWS:
+        return first
+    n = raw.shape[0]
+    q = np.empty((n, *first.q.shape[1:]), dtype=np.uint8)  # [rows, nb, block]
+    scale = np.empty((n, first.scale.shape[1]), dtype=np.float32)  # [rows, nb]
+    offset = None if first.offset is None else np.empty_like(scale)
+    for r0 in range(0, n, CHUNK_ROWS):
+        c = first if r0 == 0 else carry(fmt, raw[r0:r0 + CHUNK_ROWS], K)
+        q[r0:r0 + CHUNK_ROWS], scale[r0:r0 + CHUNK_ROWS] = c.q, c.scale
+        if offset is not None:
+            offset[r0:r0 + CHUNK_ROWS] = c.offset
+    return Carried(q, scale, offset, first.bits, fmt)
+
+
+def _cat_rows(parts: list):
+    """Q, K and V fused into one weight: concatenated along the output axis (codes of one format, or floats),
+    else a tuple the graph writer runs as three MatMulNBits and concatenates."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts, axis=1)  # [in, out]
+    if all(isinstance(p, Carried) for p in parts) and len({(p.fmt, p.bits, p.block_size) for p in parts}) == 1:
+        off = None if parts[0].offset is None else np.concatenate([p.offset for p in parts])
+        return Carried(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]), off,
+                       parts[0].bits, parts[0].fmt)
+    return tuple(parts)
+
+
+class _Layers(Sequence):
+    def __init__(self, src: GGUFSource, carry_codes: bool) -> None:
+        self.src, self.carry = src, carry_codes
+        self.on_read = None  # called with the layer index as a layer is read (progress)
+
+    def __len__(self) -> int:
+        return self.src.config.n_layers
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        self.src.release()
+        if self.on_read is not None:
+            self.on_read(i)
+        s, cfg, p = self.src, self.src.config, f"blk.{i}."
+        perm_q = perm_k = None
+        if s.arch == "llama":
+            perm_q = _hf_unpermute(cfg.n_heads * cfg.head_dim, cfg.n_heads)
+            perm_k = _hf_unpermute(cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads)
+        q = s.matrix(p + "attn_q.weight", self.carry, perm_q)
+        k = s.matrix(p + "attn_k.weight", self.carry, perm_k)
+        v = s.matrix(p + "attn_v.weight", self.carry)
+        bias = None
+        if p + "attn_q.bias" in s.tensors:
+            bias = np.concatenate([s.floats(p + "attn_q.bias"), s.floats(p + "attn_k.bias"), s.floats(p + "attn_v.bias")])
+        return LayerWeights(
+            input_norm=s.floats(p + "attn_norm.weight"),
+            qkv=_cat_rows([q, k, v]),
+            qkv_bias=bias,
+            o_proj=s.matrix(p + "attn_output.weight", self.carry),
+            post_norm=s.floats(p + "ffn_norm.weight"),
+            gate=s.matrix(p + "ffn_gate.weight", self.carry),
+            up=s.matrix(p + "ffn_up.weight", self.carry),
+            down=s.matrix(p + "ffn_down.weight", self.carry),
+        )
+
+
+class LazyWeights:
+    """export/graph.py's DecoderWeights, read from the file as the writer asks: `layers[i]` reads layer i."""
+
+    def __init__(self, src: GGUFSource, carry_codes: bool) -> None:
+        self.src, self.carry = src, carry_codes
+        self.layers = _Layers(src, carry_codes)
+        self.inv_freq = src.inv_freq()
+        self.rope_scale = 1.0
+        self.final_norm = src.floats("output_norm.weight")
+
+    @property
+    def embed(self):
+        """[V, D]: Carried codes (carry) or float32."""
+        if self.carry and self.src.tensor("token_embd.weight").fmt not in FLOAT_TYPES:
+            return self.src.matrix("token_embd.weight", True)
+        return self.src.floats("token_embd.weight")
+
+    @property
+    def lm_head(self):
+        """None when tied to the embedding; else Carried codes [V, D] or float32 [D, V]."""
+        if "output.weight" not in self.src.tensors:
+            return None
+        return self.src.matrix("output.weight", self.carry)
+
+
+# ---------------------------------------------------------------------------------------- reference forward
+
+def _as_matmul(w) -> np.ndarray:
+    """A weight as float32 [in, out]."""
+    if isinstance(w, Carried):
+        return np.ascontiguousarray(w.dequantize().T)
+    if isinstance(w, tuple):
+        return np.concatenate([_as_matmul(p) for p in w], axis=1)
+    return w
+
+
+def _rms(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    return (x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps)).astype(np.float32) * g
+
+
+def reference_logits(src: GGUFSource, ids: np.ndarray, carry_codes: bool = True) -> np.ndarray:
+    """Logits [n, V] of token ids [n] (positions 0..n-1) from the file's weights, dequantized exactly as the kernels
+    read them, by a float32 numpy forward written from the architecture's definition: one layer resident at a
+    time, the LM head in slices of rows."""
+    cfg = src.config
+    w = src.weights(carry_codes)
+    N, KV, H, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps
+    n = len(ids)
+    x = src.float_rows("token_embd.weight", ids)  # [n, D]
+    ang = np.arange(n, dtype=np.float64)[:, None] * w.inv_freq.astype(np.float64)[None, :]  # [n, H/2]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+    def rope(t: np.ndarray) -> np.ndarray:  # [heads, n, H], halves rotated (non-interleaved)
+        a, b_ = t[..., : H // 2], t[..., H // 2:]
+        return np.concatenate([a * cos - b_ * sin, b_ * cos + a * sin], axis=-1)
+
+    mask = np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)
+    for i in range(cfg.n_layers):
+        lw = w.layers[i]
+        h = _rms(x, lw.input_norm, eps)
+        qkv = h @ _as_matmul(lw.qkv)  # [n, (N+2KV)H]
+        if lw.qkv_bias is not None:
+            qkv = qkv + lw.qkv_bias
+        q = rope(qkv[:, : N * H].reshape(n, N, H).transpose(1, 0, 2))  # [N, n, H]
+        k = rope(qkv[:, N * H:(N + KV) * H].reshape(n, KV, H).transpose(1, 0, 2))  # [KV, n, H]
+        v = qkv[:, (N + KV) * H:].reshape(n, KV, H).transpose(1, 0, 2)  # [KV, n, H]
+        rep = N // KV
+        k, v = np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0)  # [N, n, H]
+        scores = q @ k.transpose(0, 2, 1) * np.float32(H ** -0.5) + mask  # [N, n, n]
+        scores = np.exp(scores - scores.max(-1, keepdims=True))
+        attn = (scores / scores.sum(-1, keepdims=True)) @ v  # [N, n, H]
+        x = x + attn.transpose(1, 0, 2).reshape(n, N * H) @ _as_matmul(lw.o_proj)
+        h = _rms(x, lw.post_norm, eps)
+        gate, up = h @ _as_matmul(lw.gate), h @ _as_matmul(lw.up)  # [n, F]
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ _as_matmul(lw.down)
+        del lw
+    h = _rms(x, w.final_norm, eps)  # [n, D]
+    name = "output.weight" if "output.weight" in src.tensors else "token_embd.weight"
+    V = cfg.vocab_size
+    logits = np.empty((n, V), dtype=np.float32)
+    step = 8192
+    for r0 in range(0, V, step):  # [rows, D] slices: the head is never dequantized whole
+        rows = np.arange(r0, min(V, r0 + step))
+        logits[:, rows] = h @ src.float_rows(name, rows).T
+    return logits
+
+
+def load_tokenizer(path: Path):
+    """The GGUF's tokenizer as a transformers fast tokenizer (its metadata only; no tensor is read)."""
+    import os
+
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    import transformers
+    from transformers import AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+    except Exception as e:
+        raise SpecdecError(f"cannot read the tokenizer of {path}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}",
+                           "the file may be truncated or corrupt, or carry a tokenizer transformers cannot convert") from None
+    if not getattr(tok, "is_fast", False):
+        raise SpecdecError(f"{path} has no tokenizer convertible to the tokenizers format")
+    return tok

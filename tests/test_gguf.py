@@ -1,0 +1,226 @@
+"""GGUF files streamed into bundles: block formats carried exactly, bounded memory, checks that refuse."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import specdec
+from specdec import GenerationConfig
+from specdec.errors import SpecdecError
+from specdec.export.bundle import ExportConfig, export_bundle
+from specdec.export.gguf_blocks import CARRIED, carry
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gguf_models import random_blocks, write_gguf  # noqa: E402
+
+
+@pytest.mark.parametrize("fmt", sorted(CARRIED))
+def test_block_format_decodes_as_gguf_does(fmt):
+    """Random codes and scales of every carried format: codes x scales (+ offsets) == gguf's own dequantization,
+    bit for bit, and the codes fit the grid's bits."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(1)
+    raw = random_blocks(fmt, rows=5, K=512, rng=rng, scale=0.1)
+    c = carry(fmt, raw, 512)
+    want = dequantize(raw, GGMLQuantizationType[fmt]).reshape(5, 512)
+    assert np.array_equal(c.dequantize(), want)
+    assert c.q.max() < 2 ** c.bits and c.block_size == CARRIED[fmt][1]
+
+
+def test_q4_k_block_by_hand():
+    """One Q4_K super-block written by hand: d=0.5, dmin=0.25, sub-block j has scale j+1 and min 2j, codes 0..15
+    repeated: value = 0.5*(j+1)*q - 0.25*2j."""
+    d, dmin = np.float16(0.5), np.float16(0.25)
+    sc, mn = np.arange(1, 9, dtype=np.uint8), 2 * np.arange(8, dtype=np.uint8)  # 6-bit each
+    packed = np.zeros(12, dtype=np.uint8)
+    packed[0:4], packed[4:8] = sc[:4], mn[:4]  # low 6 bits of sub-blocks 0-3 (high bits 0)
+    packed[8:12] = (sc[4:] & 0x0F) | ((mn[4:] & 0x0F) << 4)  # sub-blocks 4-7: low nibbles of scale and min
+    packed[0:4] |= (sc[4:] >> 4) << 6
+    packed[4:8] |= (mn[4:] >> 4) << 6
+    q = np.tile(np.arange(16), 16).reshape(8, 32)  # [sub-block, 32]
+    qs = np.zeros((4, 32), dtype=np.uint8)
+    for j in range(4):  # 32 bytes per pair of sub-blocks: low nibble = sub-block 2j, high = 2j+1
+        qs[j] = q[2 * j] | (q[2 * j + 1] << 4)
+    block = np.concatenate([np.array([d]).view(np.uint8), np.array([dmin]).view(np.uint8), packed, qs.ravel()])
+    got = carry("Q4_K", block[None, :], 256).dequantize()[0].reshape(8, 32)
+    want = 0.5 * sc[:, None] * q - 0.25 * mn[:, None]
+    assert np.array_equal(got, want.astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from conftest import make_tokenizer
+
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_k_m.gguf", make_tokenizer(), n_layers=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_bundle(tiny_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gguf-bundle") / "b"
+    export_bundle(tiny_gguf, out, ExportConfig(drafter="ngram", max_len=256))
+    return out
+
+
+def test_quantized_gguf_exports_its_own_codes(tiny_gguf, tiny_gguf_bundle):
+    """Default precision of a quantized GGUF: its codes, checked exactly (fp32-activation kernels) against a
+    reference forward of the file's weights; no float copy of any matrix in the bundle."""
+    import onnx
+
+    m = json.loads((tiny_gguf_bundle / "specdec.json").read_text())
+    target = m["graphs"]["target"]
+    assert target["quant"]["method"] == "gguf" and target["quant"]["accuracy_level"] == 4
+    assert target["checks"]["max_abs_logit_diff_vs_reference_forward"] <= target["checks"]["tolerance"]
+    assert target["checks"]["top1_agreement_vs_reference_forward"] == 1.0
+    assert target["min_step_tokens"] == 2
+    g = onnx.load_model(str(tiny_gguf_bundle / "target.onnx"), load_external_data=False)
+    ops = {n.op_type for n in g.graph.node}
+    assert {"MatMulNBits", "GatherBlockQuantized"} <= ops
+    big_float = [t.name for t in g.graph.initializer if t.data_type == onnx.TensorProto.FLOAT
+                 and np.prod(t.dims) >= 256 * 256]
+    assert big_float == [], big_float  # only block scales/offsets and rotary tables are float
+    data = (tiny_gguf_bundle / "target.onnx.data").stat().st_size
+    assert data < 1.6 * tiny_gguf.stat().st_size  # ~1.4x: 4-bit codes + per-32 scale and offset, Q6_K/Q5_0 in 8 bits
+
+
+def test_gguf_bundle_speculates_losslessly(tiny_gguf_bundle):
+    plain = specdec.load(tiny_gguf_bundle, drafter="none")
+    spec = specdec.load(tiny_gguf_bundle, drafter="ngram")
+    for prompt in ["the quick brown fox", "hello world, this is"]:
+        want = plain.generate(prompt, GenerationConfig(max_new_tokens=24, draft_len=0)).token_ids
+        got = spec.generate(prompt, GenerationConfig(max_new_tokens=24, draft_len=3))
+        assert got.token_ids == want
+
+
+def test_fp32_export_of_a_gguf_matches_the_reference(tiny_gguf, tmp_path):
+    out = tmp_path / "fp32"
+    m = export_bundle(tiny_gguf, out, ExportConfig(drafter="none", precision="fp32", max_len=128))
+    checks = m.graphs["target"].checks
+    assert m.graphs["target"].precision == "fp32"
+    assert checks["max_abs_logit_diff_vs_reference_forward"] <= checks["tolerance"]
+
+
+def test_llama_gguf_rows_are_unpermuted(tmp_path):
+    """A Llama GGUF stores Q/K rows permuted for llama.cpp's rotary; the export undoes it: the graph agrees with the
+    transformers model loaded from the same file."""
+    import torch
+    from conftest import make_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(tmp_path / "llama.gguf", make_tokenizer(), arch="llama", formats={"embed": "Q8_0"}, tied=True,
+                      n_layers=2)
+    m = export_bundle(path, tmp_path / "b", ExportConfig(drafter="none", precision="fp32", max_len=64))
+    ids = np.arange(3, 19)[None]
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)(
+            torch.tensor(ids)).logits.numpy()
+    from specdec.export.verify import _graph_logits
+
+    got = _graph_logits(tmp_path / "b" / "target.onnx", m.graphs["target"], np.concatenate([ids, ids], 1))[:, :16]
+    assert np.abs(got - ref).max() < 1e-3
+
+
+def test_format_not_carried_is_one_error(tmp_path):
+    from conftest import make_tokenizer
+
+    path = write_gguf(tmp_path / "q2.gguf", make_tokenizer(), formats={"gate": "Q2_K"})
+    with pytest.raises(SpecdecError) as e:
+        export_bundle(path, tmp_path / "b", ExportConfig(drafter="none", precision="gguf", max_len=64))
+    assert "blk.0.ffn_gate.weight is Q2_K" in str(e.value) and "--precision fp32" in e.value.hint
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
+    m = export_bundle(path, tmp_path / "b", ExportConfig(drafter="none", precision="fp32", max_len=64))
+    assert m.graphs["target"].checks["max_abs_logit_diff_vs_reference_forward"] <= 1e-3
+
+
+def test_truncated_gguf_is_one_error(tiny_gguf, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size // 2])
+    with pytest.raises(SpecdecError) as e:
+        export_bundle(cut, tmp_path / "b", ExportConfig(drafter="none", max_len=64))
+    assert "truncated or corrupt" in str(e.value) + (e.value.hint or "")
+
+
+def test_export_check_refuses_a_wrong_graph(tiny_gguf, tmp_path, monkeypatch):
+    """One weight perturbed between writing and checking: the export refuses, and leaves no bundle behind."""
+    from specdec.export import gguf_export
+
+    write = gguf_export.write_gguf_graph
+
+    def write_then_break(src, path, precision, progress=None):
+        spec = write(src, path, precision, progress)
+        import onnx
+
+        g = onnx.load_model(str(path), load_external_data=False)
+        norm = next(t for t in g.graph.initializer if t.name == "layers.1.post_norm")
+        arr = onnx.numpy_helper.to_array(norm, base_dir=str(path.parent)).copy()
+        arr[:8] *= 1.5
+        norm.CopyFrom(onnx.numpy_helper.from_array(arr, norm.name))
+        with open(path, "wb") as f:
+            f.write(g.SerializeToString())
+        return spec
+
+    monkeypatch.setattr(gguf_export, "write_gguf_graph", write_then_break)
+    with pytest.raises(SpecdecError) as e:
+        export_bundle(tiny_gguf, tmp_path / "b", ExportConfig(drafter="none", max_len=64))
+    assert "disagrees with the reference forward" in str(e.value)
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
+
+
+def test_gguf_draft_model_in_one_command(tiny_gguf, tmp_path):
+    """`--drafter model:DRAFT.gguf`: the draft is streamed into the same bundle; drafting is lossless."""
+    from conftest import make_tokenizer
+
+    draft = write_gguf(tmp_path / "draft.gguf", make_tokenizer(), n_layers=1, seed=3)
+    out = tmp_path / "b"
+    m = export_bundle(tiny_gguf, out, ExportConfig(drafter=f"model:{draft}", max_len=128))
+    assert m.graphs["draft"].file == "draft/target.onnx" and m.drafter.kind == "model"
+    plain = specdec.load(out, drafter="none")
+    spec = specdec.load(out, drafter="model")
+    want = plain.generate("the quick brown", GenerationConfig(max_new_tokens=16, draft_len=0)).token_ids
+    assert spec.generate("the quick brown", GenerationConfig(max_new_tokens=16, draft_len=3)).token_ids == want
+
+
+def test_gguf_draft_of_another_vocabulary_is_refused(tiny_gguf, tmp_path):
+    from conftest import make_tokenizer
+
+    draft = write_gguf(tmp_path / "other.gguf", make_tokenizer(vocab_size=300), n_layers=1)
+    with pytest.raises(SpecdecError) as e:
+        export_bundle(tiny_gguf, tmp_path / "b", ExportConfig(drafter=f"model:{draft}", max_len=64))
+    assert "different vocabulary" in str(e.value)
+    assert not (tmp_path / "b").exists()
+
+
+PEAK_RSS_SCRIPT = """
+import resource, sys
+from specdec.export.bundle import ExportConfig, export_bundle
+export_bundle(sys.argv[1], sys.argv[2], ExportConfig(drafter="none", max_len=64))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+@pytest.mark.slow
+def test_export_memory_is_flat_in_depth(tmp_path):
+    """Peak RSS of exporting 2, 8 and 32 layers of one width: the writer holds one layer; what grows with depth is
+    only onnxruntime's load of the finished graph for its check (about the bundle's size)."""
+    from conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    peaks, sizes = {}, {}
+    for n in (2, 8, 32):
+        path = write_gguf(tmp_path / f"d{n}.gguf", tok, n_layers=n, hidden=1024, heads=16, kv_heads=4, ffn=4096)
+        out = subprocess.run([sys.executable, "-c", PEAK_RSS_SCRIPT, str(path), str(tmp_path / f"b{n}")],
+                             capture_output=True, text=True, check=True)
+        peaks[n] = int(out.stdout.split()[-1]) * 1024
+        sizes[n] = (tmp_path / f"b{n}" / "target.onnx.data").stat().st_size
+        path.unlink()
+    # 32 layers hold 16x the weights of 2. Writing holds one layer; the check's int8-activation session prepacks the
+    # finished graph (~1.5x its file, as at run time), and that is all the peak may grow by.
+    fp32_model = 32 * (4 * 1024 * 1024 + 3 * 1024 * 4096) * 4
+    assert peaks[32] - peaks[2] <= 1.6 * (sizes[32] - sizes[2]), (peaks, sizes)
+    assert peaks[32] - peaks[2] < fp32_model / 3, (peaks, fp32_model)
