@@ -85,6 +85,14 @@ PEERS: dict[str, dict] = {
     "genai-int4-lookup": {"kind": "genai", "lookup": True, "precision": "int4",
                           "describe": "onnxruntime-genai Generator, int4, n-gram speculation"},
 }
+PEERS.update({
+    "llama-server": {"kind": "llamaserver", "lookup": False, "mode": "plain",
+                     "describe": "native llama.cpp llama-server on the GGUF, greedy"},
+    "llama-server-draft": {"kind": "llamaserver", "lookup": True, "mode": "draft",
+                           "describe": "native llama-server, --spec-type draft-simple -md DRAFT_GGUF"},
+    "llama-server-ngram": {"kind": "llamaserver", "lookup": True, "mode": "ngram",
+                           "describe": "native llama-server, --spec-type ngram-mod"},
+})
 DEFAULT_PEERS = "hf,hf-lookup,llamacpp,llamacpp-lookup,genai,genai-lookup,genai-int4,genai-int4-lookup"
 
 
@@ -368,7 +376,72 @@ def load_specdec(spec: dict):
                       "versions": {"specdec": getattr(specdec, "__version__", "dev")}}
 
 
-LOADERS = {"hf": load_hf, "llamacpp": load_llamacpp, "genai": load_genai, "specdec": load_specdec}
+def load_llamaserver(spec: dict):
+    """Native llama.cpp: its `llama-server` (bench/llama_native.py builds it) on 127.0.0.1, fed the prompt token ids
+    through /completion and timed by its own `timings` (prompt_ms + predicted_ms: no HTTP or Python in the figure).
+    Greedy (top_k 1), no prompt cache between prompts. Its VmHWM is the peak RSS reported."""
+    import socket
+    import urllib.request
+
+    from llama_native import llama_server
+
+    exe = llama_server()
+    with socket.socket() as s_:
+        s_.bind(("127.0.0.1", 0))
+        port = s_.getsockname()[1]
+    n_ctx = max([len(p["ids"]) for p in spec["prompts"]] + [len(spec["warmup_ids"])]) + spec["max_new_tokens"] + 64
+    cmd = [str(exe), "-m", spec["gguf"], "--host", "127.0.0.1", "--port", str(port), "-t", str(spec["threads"]),
+           "-tb", str(spec["threads"]), "-c", str(max(n_ctx, 512)), "-np", "1", "--no-repack", "--no-webui",
+           "--log-disable"]
+    settings = {"threads": spec["threads"], "n_ctx": max(n_ctx, 512), "sampler": "top_k 1", "flags": "--no-repack"}
+    if spec["mode"] == "draft":
+        cmd += ["--spec-type", "draft-simple", "-md", spec["draft_gguf"], "-td", str(spec["threads"])]
+        settings.update(spec_type="draft-simple", draft=spec["draft_gguf"])
+    elif spec["mode"] == "ngram":
+        cmd += ["--spec-type", "ngram-mod"]
+        settings.update(spec_type="ngram-mod")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    import atexit
+
+    atexit.register(proc.kill)
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited {proc.returncode}: {proc.stderr.read()[-400:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.perf_counter() - t0 > 300:
+            raise RuntimeError("llama-server did not become ready in 300 s")
+        time.sleep(0.5)
+    load_s = time.perf_counter() - t0
+
+    def generate(ids, max_new):
+        body = {"prompt": ids, "n_predict": max_new, "top_k": 1, "temperature": 0.0, "cache_prompt": False,
+                "return_tokens": True, "stream": False, "seed": 0}
+        req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0_ = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            out = json.loads(r.read())
+        wall = time.perf_counter() - t0_
+        t = out["timings"]
+        new = [int(x) for x in out.get("tokens", [])]
+        extra = {"wall_s": round(wall, 3), "server_peak_rss_mb": _hwm_mb(proc.pid)}
+        if "draft_n" in t:
+            extra.update(drafted=t["draft_n"], accepted=t.get("draft_n_accepted"))
+        return new, t["prompt_ms"] / 1e3, (t["prompt_ms"] + t["predicted_ms"]) / 1e3, extra
+
+    return generate, {"load_s": load_s, "settings": settings, "rss_pid": proc.pid,
+                      "versions": {"llama_cpp": "vendored in " + "llama-cpp-python 0.3.36"}}
+
+
+LOADERS = {"hf": load_hf, "llamacpp": load_llamacpp, "genai": load_genai, "specdec": load_specdec,
+           "llamaserver": load_llamaserver}
 
 
 def specdec_peer(name: str, bundles: str) -> dict | None:
@@ -445,23 +518,24 @@ def worker_main(spec_path: str) -> int:
         emit(event="error", reason=f"load failed: {type(e).__name__}: {str(e).strip()[:400]}",
              traceback=traceback.format_exc()[-2000:])
         return 4
-    emit(event="loaded", rss_mb=_hwm_mb(), **info)
+    rss_pid = info.pop("rss_pid", "self")  # a peer running in a server process of its own reports that one
+    emit(event="loaded", rss_mb=_hwm_mb(rss_pid), **info)
     for line in sys.stdin:
         cmd = json.loads(line)
         try:
             if cmd["op"] == "warmup":
                 generate(spec["warmup_ids"], min(8, spec["max_new_tokens"]))
-                emit(event="warm", rss_mb=_hwm_mb())
+                emit(event="warm", rss_mb=_hwm_mb(rss_pid))
             elif cmd["op"] == "run":
                 p = spec["prompts"][cmd["index"]]
-                emit(event="prompt", id=p["id"], rss_mb=_hwm_mb(), **_measured(generate, p["ids"], spec))
+                emit(event="prompt", id=p["id"], rss_mb=_hwm_mb(rss_pid), **_measured(generate, p["ids"], spec))
             elif cmd["op"] == "quit":
                 break
         except Exception as e:  # noqa: BLE001
             emit(event="error", reason=f"{type(e).__name__}: {str(e).strip()[:400]}",
                  traceback=traceback.format_exc()[-2000:])
             return 4
-    emit(event="done", rss_mb=_hwm_mb())
+    emit(event="done", rss_mb=_hwm_mb(rss_pid))
     return 0
 
 
@@ -612,12 +686,19 @@ def run(args) -> dict:
     import _models
 
     t0 = time.perf_counter()
-    gguf = _models.gguf_path()
-    hf_dir = _models.hf_checkpoint()
-    prep = {"hf_checkpoint_s": round(time.perf_counter() - t0, 2)}
-    from transformers import AutoTokenizer
+    if args.gguf:  # another model than the default: llama-server and specdec peers only, its own tokenizer
+        from specdec.export.gguf_source import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+        gguf, hf_dir = Path(args.gguf), None
+        tok = load_tokenizer(gguf)
+        prep = {}
+    else:
+        gguf = _models.gguf_path()
+        hf_dir = _models.hf_checkpoint()
+        prep = {"hf_checkpoint_s": round(time.perf_counter() - t0, 2)}
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(hf_dir))
     eos_ids = [int(tok.eos_token_id)]
     prompt_rows = [{"id": p.id, "category": p.category, "ids": _chat_ids(tok, p.messages)} for p in prompts]
     warmup_ids = _chat_ids(tok, [{"role": "user", "content": "Say hello."}])
@@ -630,7 +711,7 @@ def run(args) -> dict:
             "host": {"platform": platform.platform(), "cpu": _cpu_name(), "cpu_flags": _cpu_flags(),
                      "cpu_count": os.cpu_count(), "mem_total_gib": _mem_gib()},
             "python": platform.python_version(),
-            "model": {"gguf": str(gguf), "hf_checkpoint": str(hf_dir)},
+            "model": {"gguf": str(gguf), "hf_checkpoint": str(hf_dir), "draft_gguf": args.draft_gguf},
             "questions": str(args.questions), "limit_per_category": args.limit, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, "threads": args.threads, "lookup_k": args.lookup_k,
             "ngram": args.ngram, "eos_ids": eos_ids, "schedule": args.schedule,
@@ -674,7 +755,11 @@ def run(args) -> dict:
                         "ngram": args.ngram, "eos_ids": eos_ids, "prompts": prompt_rows,
                         "warmup_ids": warmup_ids, "hf_dir": str(hf_dir), "gguf": str(gguf),
                         "max_others": args.max_others, "retries": args.retries,
-                        "retry_wait_s": args.retry_wait}
+                        "retry_wait_s": args.retry_wait, "mode": cfg.get("mode"), "draft_gguf": args.draft_gguf}
+                if cfg["kind"] == "llamaserver" and cfg["mode"] == "draft" and not args.draft_gguf:
+                    entry["reason"] = "needs --draft-gguf"
+                    log(f"[{name}] unavailable: {entry['reason']}")
+                    continue
                 if cfg["kind"] == "specdec":
                     if not (Path(cfg["bundle"]) / "specdec.json").is_file():
                         entry["reason"] = f"no bundle at {cfg['bundle']} (specdec export first)"
@@ -952,6 +1037,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bundles", default=str(REPO / "bundles" / "smollm2"),
                     help="specdec bundle path prefix: peer specdec-V uses <prefix>-V")
+    ap.add_argument("--gguf", default=None, help="target GGUF for llama-server peers (default: the default model); "
+                    "prompts are tokenized with its tokenizer")
+    ap.add_argument("--draft-gguf", default=None, help="draft GGUF for the llama-server-draft peer")
     ap.add_argument("--lookup-k", type=int, default=10, help="draft tokens per lookup (genai caps at 16)")
     ap.add_argument("--ngram", type=int, default=2, help="n-gram size matched by the lookup drafters")
     ap.add_argument("--schedule", choices=("interleaved", "sequential"), default="interleaved")

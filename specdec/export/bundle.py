@@ -195,6 +195,8 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         cfg.layerskip.check_against(model_cfg.n_layers)
     if draft_manifest is not None:  # before any graph is written
         _check_same_vocab(draft_bundle, draft_manifest, vocab_digest(source.tokenizer.backend_tokenizer))
+    if draft_gguf is not None:
+        _check_gguf_draft_vocab(draft_gguf, vocab_digest(source.tokenizer.backend_tokenizer))
     weights = weights_from_torch(source.model)
     L = model_cfg.n_layers
     heads = medusa = None
@@ -311,7 +313,7 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)
             drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
         elif draft_gguf is not None:
-            graphs["draft"] = _stream_gguf_draft(draft_gguf, partial, tok_spec, step)
+            graphs["draft"] = _stream_gguf_draft(draft_gguf, partial, step)
             drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
 
         if cfg.corpus:
@@ -378,30 +380,45 @@ def gguf_is_quantized(path: Path) -> bool:
     return any(fmt not in ("F32", "F16", "BF16") for fmt in GGUFSource(path).formats())
 
 
-def _tokenizer_spec(tok, folder: Path, eos: tuple[int, ...]) -> TokenizerSpec:
-    """Save `tok` (transformers fast tokenizer) into `folder` and describe it."""
+def _gguf_tokenizer(src, path: Path, folder: Path) -> TokenizerSpec:
+    """The GGUF's tokenizer saved into `folder` (gguf_source.save_tokenizer) and described."""
     from tokenizers import Tokenizer
 
-    tok.backend_tokenizer.save(str(folder / "tokenizer.json"))
-    return TokenizerSpec(file="tokenizer.json", bos_token_id=tok.bos_token_id, eos_token_ids=eos,
-                         chat_template=tok.chat_template if isinstance(tok.chat_template, str) else None,
+    from specdec.export.gguf_source import save_tokenizer
+
+    info = save_tokenizer(path, folder)
+    eos = []
+    for cand in (src._field("tokenizer.ggml.eos_token_id"), info["eos"]):
+        if cand is not None and int(cand) not in eos:
+            eos.append(int(cand))
+    if not eos:
+        raise SpecdecError(f"{path.name} defines no end-of-sequence token", "add tokenizer.ggml.eos_token_id to the GGUF")
+    return TokenizerSpec(file="tokenizer.json", bos_token_id=info["bos"], eos_token_ids=tuple(eos),
+                         chat_template=info["chat_template"],
                          vocab_digest=vocab_digest(Tokenizer.from_file(str(folder / "tokenizer.json"))))
 
 
-def _stream_gguf_draft(path: Path, partial: Path, target_tok: TokenizerSpec, step) -> GraphSpec:
-    """A draft model given as a GGUF file, streamed at its own precision into `draft/`: same vocabulary as the
-    target or one error before any graph is written."""
-    from specdec.export.gguf_export import export_gguf_graph
-    from specdec.export.gguf_source import GGUFSource, load_tokenizer
+def _check_gguf_draft_vocab(path: Path, target_digest: str) -> None:
+    """A draft GGUF must share the target's vocabulary: one error before any graph is written."""
+    import tempfile
 
-    step(f"reading draft model {path.name}")
-    src = GGUFSource(path)
-    tok = load_tokenizer(path)
-    digest = vocab_digest(tok.backend_tokenizer)
-    if digest != target_tok.vocab_digest:
+    from specdec.export.gguf_source import GGUFSource
+
+    with tempfile.TemporaryDirectory() as tmp:
+        digest = _gguf_tokenizer(GGUFSource(path), path, Path(tmp)).vocab_digest
+    if digest != target_digest:
         raise SpecdecError(f"draft model {path} has a different vocabulary from the target "
-                           f"(vocab digest {digest[:12]} vs {target_tok.vocab_digest[:12]})",
+                           f"(vocab digest {digest[:12]} vs {target_digest[:12]})",
                            "a draft model must share the target's tokenizer")
+
+
+def _stream_gguf_draft(path: Path, partial: Path, step) -> GraphSpec:
+    """A draft model given as a GGUF file (vocabulary checked already), streamed at its own precision into
+    `draft/`."""
+    from specdec.export.gguf_export import export_gguf_graph
+    from specdec.export.gguf_source import GGUFSource
+
+    src = GGUFSource(path)
     precision = "gguf" if any(f not in ("F32", "F16", "BF16") for f in src.formats()) else "fp32"
     (partial / "draft").mkdir(exist_ok=True)
     step(f"writing draft graph ({precision}) from {path.name}")
@@ -414,23 +431,24 @@ def _export_gguf(model_path: Path, out_dir: Path, cfg: ExportConfig, step, draft
     """A GGUF target streamed tensor by tensor into the bundle (export/gguf_export.py): bounded memory at any
     model size, the file's own quantized codes with precision "gguf"."""
     from specdec.export.gguf_export import export_gguf_graph, gguf_fingerprint
-    from specdec.export.gguf_source import GGUFSource, load_tokenizer
+    from specdec.export.gguf_source import GGUFSource
 
     step(f"reading {model_path.name}")
     src = GGUFSource(model_path)
     model_cfg = src.config
     if cfg.max_len > model_cfg.max_position:
         raise SpecdecError(f"--max-len {cfg.max_len} exceeds the model's {model_cfg.max_position} positions")
-    tok = load_tokenizer(model_path)
     draft_manifest = read_manifest(draft_bundle) if draft_bundle is not None else None
-    if draft_manifest is not None:
-        _check_same_vocab(draft_bundle, draft_manifest, vocab_digest(tok.backend_tokenizer))
     with staged_folder(out_dir) as partial:
+        step("writing tokenizer")
+        tok_spec = _gguf_tokenizer(src, model_path, partial)
+        if draft_manifest is not None:  # before any graph is written
+            _check_same_vocab(draft_bundle, draft_manifest, tok_spec.vocab_digest)
+        if draft_gguf is not None:
+            step(f"checking the vocabulary of draft model {draft_gguf.name}")
+            _check_gguf_draft_vocab(draft_gguf, tok_spec.vocab_digest)
         step(f"writing target graph ({cfg.precision}, {model_cfg.n_layers} layers)")
         graphs = {"target": export_gguf_graph(src, partial / "target.onnx", cfg.precision, step)}
-        step("writing tokenizer")
-        eos = _gguf_eos_ids(src, tok)
-        tok_spec = _tokenizer_spec(tok, partial, eos)
         drafter = DrafterSpec(kind="none", draft_len=cfg.default_draft_len)
         if cfg.drafter == "ngram":
             drafter = DrafterSpec(kind="ngram", max_ngram=cfg.max_ngram, draft_len=cfg.default_draft_len)
@@ -439,7 +457,7 @@ def _export_gguf(model_path: Path, out_dir: Path, cfg: ExportConfig, step, draft
             graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)
             drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
         elif draft_gguf is not None:
-            graphs["draft"] = _stream_gguf_draft(draft_gguf, partial, tok_spec, step)
+            graphs["draft"] = _stream_gguf_draft(draft_gguf, partial, step)
             drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
         if cfg.corpus:
             from specdec.export.corpus import CORPUS_FILE, shipped_corpus
@@ -456,12 +474,3 @@ def _export_gguf(model_path: Path, out_dir: Path, cfg: ExportConfig, step, draft
         (partial / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
 
-
-def _gguf_eos_ids(src, tok) -> tuple[int, ...]:
-    ids = []
-    for cand in (src._field("tokenizer.ggml.eos_token_id"), tok.eos_token_id):
-        if cand is not None and int(cand) not in ids:
-            ids.append(int(cand))
-    if not ids:
-        raise SpecdecError("the model defines no end-of-sequence token", "add tokenizer.ggml.eos_token_id to the GGUF")
-    return tuple(ids)
