@@ -180,7 +180,7 @@ def _stage_progress():
             q = 4 * done // max(total, 1)
             if not tty and 0 < q < 4 and q not in quarters:
                 quarters.append(q)
-                click.echo(f"  {done}/{total}", err=True)
+                click.echo(f"-   {done}/{total}", err=True)
 
         step.progress = progress
         yield step

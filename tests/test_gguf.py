@@ -224,3 +224,19 @@ def test_export_memory_is_flat_in_depth(tmp_path):
     fp32_model = 32 * (4 * 1024 * 1024 + 3 * 1024 * 4096) * 4
     assert peaks[32] - peaks[2] <= 1.6 * (sizes[32] - sizes[2]), (peaks, sizes)
     assert peaks[32] - peaks[2] < fp32_model / 3, (peaks, fp32_model)
+
+
+def test_not_enough_memory_for_the_kv_length_is_said_before_loading(tiny_gguf_bundle, monkeypatch):
+    """A KV length that cannot fit the memory available: one error naming the length that fits, before any
+    session or KV buffer exists."""
+    from test_cli import assert_one_error, run_cli
+
+    from specdec.runtime import memcheck
+
+    monkeypatch.setattr(memcheck, "available_bytes", lambda: 100 << 10)
+    line = assert_one_error(run_cli("generate", tiny_gguf_bundle, "hello", "--max-len", "256"), "not enough memory",
+                            "--max-len 256")
+    assert "GiB available" in line
+    monkeypatch.setattr(memcheck, "available_bytes", lambda: 1 << 40)
+    code, out, err = run_cli("generate", tiny_gguf_bundle, "hello", "--max-len", "256", "--max-new-tokens", "4")
+    assert code == 0, err

@@ -69,7 +69,7 @@ def gguf_graph_spec(file: str, src: GGUFSource, precision: str, min_step_tokens:
                      inputs=CONTROL_INPUTS + (LOGITS_ROWS,) + ((ARGMAX_ROWS,) if exact else ())
                      + tuple(kv_input_names(cfg.n_layers)),
                      outputs=("logits", "argmax", *kv_output_names(cfg.n_layers)), quant=quant,
-                     min_step_tokens=min_step_tokens)
+                     min_step_tokens=min_step_tokens, pads_attention_only=carried)
 
 
 def write_gguf_graph(src: GGUFSource, path: Path, precision: str,
@@ -92,7 +92,7 @@ def write_gguf_graph(src: GGUFSource, path: Path, precision: str,
     with ExternalData(path.with_name(path.name + ".data")) as sink:
         model = build_decoder_graph(src.config, weights, dtype=np.float16 if precision == "fp16" else np.float32,
                                     argmax=True, logits_rows=True, exact_argmax=precision == "fp32", sink=sink,
-                                    accuracy_level=GGUF_ACCURACY_LEVEL)
+                                    accuracy_level=GGUF_ACCURACY_LEVEL, pad_attention=carried)
     save_streamed(model, path)
     src.release()
     if progress is not None:

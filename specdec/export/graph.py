@@ -224,7 +224,8 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
                         logits: bool = True, features: FeatureEntry | None = None,
                         head_vocab: np.ndarray | None = None, tree: bool = False,
                         argmax: bool = False, logits_rows: bool = False,
-                        exact_argmax: bool = False, sink=None, accuracy_level: int = 4) -> onnx.ModelProto:
+                        exact_argmax: bool = False, sink=None, accuracy_level: int = 4,
+                        pad_attention: bool = False) -> onnx.ModelProto:
     """Write the decoder as ONNX: layers [first_layer, n_layers), then (if `logits`) final norm and LM head.
 
     `n_layers` < cfg.n_layers keeps only the first layers (early exit); `first_layer` > 0 starts from the
@@ -245,7 +246,9 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     greedy steps read a quarter of the head's bytes and ask logits_rows for no row.
     `w` may hold GGUF codes (Carried) in place of float matrices, and its layers may be loaded one at a time (export/
     gguf_source.py); with a `sink` each initializer is written out as it is made (see _Builder). `accuracy_level` is
-    the MatMulNBits kernel of Carried weights.
+    the MatMulNBits kernel of Carried weights. `pad_attention` (GraphSpec.pads_attention_only): position_ids may
+    describe more positions than input_ids has tokens; Q/K/V get zero rows up to that width before each attention
+    and lose them after it.
     """
     if (argmax or logits_rows) and not logits:
         raise ValueError("argmax and logits_rows need the logits")
@@ -302,6 +305,17 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         head = b.init("draft_head.weight", np.ascontiguousarray(full[:, np.asarray(head_vocab)]))  # [D, N]
     elif logits and head is None and not carried_head:
         head = b.init("lm_head.weight", np.ascontiguousarray(w.embed.T) if w.lm_head is None else w.lm_head)
+    pad_rows = None
+    if pad_attention:
+        if first_layer or tree or features is not None:
+            raise ValueError("pad_attention is for whole token-id graphs without trees or features")
+        t_att = b.op("Shape", ["position_ids"], name="steps.attention_width", start=1, end=2)[0]  # [1]
+        t_real = b.op("Shape", ["input_ids"], name="steps.width", start=1, end=2)[0]  # [1]
+        extra = b.op("Sub", [t_att, t_real], name="steps.pad")[0]  # [1]
+        zeros = b.add(numpy_helper.from_array(np.zeros(4, dtype=np.int64), "steps.zeros4"))
+        zero1 = b.add(numpy_helper.from_array(np.zeros(1, dtype=np.int64), "steps.zero1"))
+        pad_rows = b.op("Concat", [zeros, extra, zero1], name="steps.pads", axis=0)[0]  # [6]: rows appended on axis 1
+        axis1 = b.add(numpy_helper.from_array(np.ones(1, dtype=np.int64), "steps.axis1"))
     taps: dict[int, str] = {first_layer: x}
     residual = None
     pending = None  # output of the previous block, not yet added to the residual stream
@@ -318,6 +332,8 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         qkv = _linear(b, h, lw.qkv, f"layers.{i}.qkv")  # [B,T,(N+2KV)H]
         if lw.qkv_bias is not None:
             qkv = b.op("Add", [qkv, b.init(f"layers.{i}.qkv.bias", lw.qkv_bias)], name=f"layers.{i}.qkv_bias")[0]
+        if pad_rows is not None:
+            qkv = b.op("Pad", [qkv, pad_rows], name=f"layers.{i}.pad_rows")[0]  # [B,T_att,(N+2KV)H]
         # Packed QKV: key/value inputs left empty. The KV buffers are shared past/present.
         attn = b.op("GroupQueryAttention",
                     [qkv, "", "", f"past.{i}.key", f"past.{i}.value", "seqlens_k", "total_sequence_length",
@@ -325,6 +341,8 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
                     outputs=[f"layers.{i}.attn", f"present.{i}.key", f"present.{i}.value"],
                     domain=MS, name=f"layers.{i}.gqa", num_heads=N, kv_num_heads=KV, do_rotary=1,
                     rotary_interleaved=0, scale=float(H ** -0.5))[0]  # [B,T,N*H]
+        if pad_rows is not None:
+            attn = b.op("Slice", [attn, zero1, t_real, axis1], name=f"layers.{i}.real_rows")[0]  # [B,T,N*H]
         o = _linear(b, attn, lw.o_proj, f"layers.{i}.o_proj")  # [B,T,D]
         h, _, _, residual = b.op("SkipSimplifiedLayerNormalization",
                                  [o, residual, b.init(f"layers.{i}.post_norm", lw.post_norm)], n_out=4,

@@ -229,7 +229,9 @@ class Decoder:
         real_T, rows_idx = T, None
         if last_rows is not None and self.spec.has_logits_rows:
             rows_idx = np.arange(T - last_rows, T, dtype=np.int64)  # the real step's last rows, padded or not
-        if T < self.spec.min_step_tokens:  # per row: GroupQueryAttention picks its path by T, not by B x T
+        if T < self.spec.min_step_tokens and self.spec.pads_attention_only:  # the graph pads the attention alone
+            _, positions, q, _, _ = _pad_step(self.spec.min_step_tokens, tokens, positions, q, None, None)
+        elif T < self.spec.min_step_tokens:  # per row: GroupQueryAttention picks its path by T, not by B x T
             tokens, positions, q, features, bias = _pad_step(self.spec.min_step_tokens, tokens, positions, q,
                                                              features, bias)
             T = tokens.shape[1]

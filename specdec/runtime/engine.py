@@ -26,6 +26,7 @@ from specdec.runtime.drafters.layerskip import LayerSkipDrafter
 from specdec.runtime.drafters.medusa import MedusaDrafter
 from specdec.runtime.drafters.ngram import NgramDrafter
 from specdec.runtime.kv import KVCache
+from specdec.runtime.memcheck import check_fits
 from specdec.runtime.manifest import Manifest, read_manifest
 from specdec.runtime.sampling import SamplingConfig
 from specdec.runtime.session import RuntimeOptions, provider_list
@@ -142,6 +143,11 @@ class Engine:
         m = self.manifest
         if not 0 < self.max_len <= m.model.max_position:
             raise SpecdecError(f"--max-len {self.max_len} is outside 1..{m.model.max_position} (the model's positions)")
+        if self.runtime.provider == "cpu":  # the KV and prepacked weights live in host memory
+            loaded = ["exit", "tail"] if m.split_target else ["target"]
+            if (drafter or default_drafter(m)) in ("model", "hybrid"):
+                loaded.append(m.drafter.graph or "draft")
+            check_fits(self.path, m, loaded, self.max_len)
         self.codec = TextCodec(self.path / m.tokenizer.file, m.tokenizer.chat_template, m.tokenizer.bos_token_id,
                                m.tokenizer.eos_token_ids)
         self.target: Decoder | SplitTarget = self._split_target() if m.split_target else self._decoder("target")

