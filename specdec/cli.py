@@ -134,7 +134,12 @@ def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_l
         _print_layerskip_calibration(manifest.drafter)
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
     corpus_note = ", with the shipped corpus" if manifest.drafter.corpus else ""
-    click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, target {manifest.graphs['target'].precision}, "
+    target = manifest.graphs["target"]
+    precision = target.precision
+    if target.quant.get("method") == "gguf":  # the file's own codes: say which formats
+        formats = ", ".join(f"{k} x{v}" for k, v in target.quant.get("formats", {}).items())
+        precision = f"the GGUF's own codes ({formats})"
+    click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, target {precision}, "
                f"drafter {cfg.drafter}{corpus_note}) in {time.perf_counter() - t0:.0f} s")
     _note_int8_weight_only(manifest.graphs["target"].precision, fast_kernels)
 

@@ -308,28 +308,40 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             np.save(partial / "draft_vocab.npy", medusa.vocab)
             drafter = DrafterSpec(kind="medusa", draft_len=cfg.default_draft_len, heads="medusa.onnx",
                                   draft_vocab="draft_vocab.npy", calibration=medusa.meta.get("report", {}))
-        elif draft_bundle is not None:
-            step(f"copying draft model from {draft_bundle}")
-            graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)
-            drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
-        elif draft_gguf is not None:
-            graphs["draft"] = _stream_gguf_draft(draft_gguf, partial, step)
-            drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
+        elif draft_bundle is not None or draft_gguf is not None:
+            graphs["draft"], drafter = _draft_model(partial, cfg, tok_spec, step, draft_bundle, draft_gguf)
 
-        if cfg.corpus:
-            from specdec.export.corpus import CORPUS_FILE, shipped_corpus
-            from specdec.export.eagle import target_fingerprint
+        from specdec.export.eagle import target_fingerprint
 
-            shipped = shipped_corpus(target_fingerprint(weights))
-            if shipped is not None:
-                step("copying the corpus of the target's answers shipped with specdec")
-                shutil.copyfile(shipped, partial / CORPUS_FILE)
-                drafter = replace(drafter, corpus=CORPUS_FILE)
+        return _write_manifest(partial, cfg, graphs, drafter, tok_spec, target_fingerprint(weights), source.path, step)
 
-        step("writing manifest")
-        manifest = Manifest(tokenizer=tok_spec, graphs=graphs, drafter=drafter, files=bundle_files(partial),
-                            default_max_len=cfg.max_len, source=str(source.path), created_by=f"specdec {specdec.__version__}")
-        (partial / MANIFEST_NAME).write_text(manifest.to_json())
+
+def _draft_model(partial: Path, cfg: ExportConfig, tok_spec: TokenizerSpec, step, draft_bundle: Path | None,
+                 draft_gguf: Path | None) -> tuple[GraphSpec, DrafterSpec]:
+    """The draft model's graph in the bundle (copied from a bundle, or streamed from a GGUF) and the drafter."""
+    if draft_bundle is not None:
+        step(f"copying draft model from {draft_bundle}")
+        graph = _copy_draft_bundle(draft_bundle, partial, tok_spec)
+    else:
+        graph = _stream_gguf_draft(draft_gguf, partial, step)
+    return graph, DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
+
+
+def _write_manifest(partial: Path, cfg: ExportConfig, graphs: dict[str, GraphSpec], drafter: DrafterSpec,
+                    tok_spec: TokenizerSpec, fingerprint: str, source: Path, step) -> Manifest:
+    """Copy the corpus shipped for this target (if any, and wanted), then write the manifest."""
+    if cfg.corpus:
+        from specdec.export.corpus import CORPUS_FILE, shipped_corpus
+
+        shipped = shipped_corpus(fingerprint)
+        if shipped is not None:
+            step("copying the corpus of the target's answers shipped with specdec")
+            shutil.copyfile(shipped, partial / CORPUS_FILE)
+            drafter = replace(drafter, corpus=CORPUS_FILE)
+    step("writing manifest")
+    manifest = Manifest(tokenizer=tok_spec, graphs=graphs, drafter=drafter, files=bundle_files(partial),
+                        default_max_len=cfg.max_len, source=str(source), created_by=f"specdec {specdec.__version__}")
+    (partial / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
 
 
@@ -452,25 +464,7 @@ def _export_gguf(model_path: Path, out_dir: Path, cfg: ExportConfig, step, draft
         drafter = DrafterSpec(kind="none", draft_len=cfg.default_draft_len)
         if cfg.drafter == "ngram":
             drafter = DrafterSpec(kind="ngram", max_ngram=cfg.max_ngram, draft_len=cfg.default_draft_len)
-        elif draft_bundle is not None:
-            step(f"copying draft model from {draft_bundle}")
-            graphs["draft"] = _copy_draft_bundle(draft_bundle, partial, tok_spec)
-            drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
-        elif draft_gguf is not None:
-            graphs["draft"] = _stream_gguf_draft(draft_gguf, partial, step)
-            drafter = DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
-        if cfg.corpus:
-            from specdec.export.corpus import CORPUS_FILE, shipped_corpus
-
-            shipped = shipped_corpus(gguf_fingerprint(src))
-            if shipped is not None:
-                step("copying the corpus of the target's answers shipped with specdec")
-                shutil.copyfile(shipped, partial / CORPUS_FILE)
-                drafter = replace(drafter, corpus=CORPUS_FILE)
-        step("writing manifest")
-        manifest = Manifest(tokenizer=tok_spec, graphs=graphs, drafter=drafter, files=bundle_files(partial),
-                            default_max_len=cfg.max_len, source=str(model_path),
-                            created_by=f"specdec {specdec.__version__}")
-        (partial / MANIFEST_NAME).write_text(manifest.to_json())
-    return manifest
+        elif draft_bundle is not None or draft_gguf is not None:
+            graphs["draft"], drafter = _draft_model(partial, cfg, tok_spec, step, draft_bundle, draft_gguf)
+        return _write_manifest(partial, cfg, graphs, drafter, tok_spec, gguf_fingerprint(src), model_path, step)
 
