@@ -400,7 +400,7 @@ def _gguf_tokenizer(src, path: Path, folder: Path) -> TokenizerSpec:
 
     info = save_tokenizer(path, folder)
     eos = []
-    for cand in (src._field("tokenizer.ggml.eos_token_id"), info["eos"]):
+    for cand in (src.field("tokenizer.ggml.eos_token_id"), info["eos"]):
         if cand is not None and int(cand) not in eos:
             eos.append(int(cand))
     if not eos:

@@ -52,7 +52,7 @@ class GGUFSource:
         self.meta = {k: f.contents() for k, f in self.reader.fields.items() if len(f.data) == 1 and
                      not k.startswith("tokenizer.ggml.") or k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id")}
         self.reader.fields.clear()
-        self.arch = self._field("general.architecture")
+        self.arch = self.field("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise SpecdecError(f"unsupported architecture {self.arch!r} in {self.path.name}",
                                f"supported: {', '.join(ARCHITECTURES)}")
@@ -62,7 +62,8 @@ class GGUFSource:
         self.config = self._config()
 
     # ------------------------------------------------------------------------------------------ metadata
-    def _field(self, key: str, default=None):
+    def field(self, key: str, default=None):
+        """A metadata scalar (e.g. "qwen2.block_count"), or `default`."""
         return self.meta.get(key, default)
 
     def release(self) -> None:
@@ -76,30 +77,30 @@ class GGUFSource:
 
     def _config(self) -> ModelConfig:
         a = self.arch
-        n_heads = int(self._field(f"{a}.attention.head_count"))
-        hidden = int(self._field(f"{a}.embedding_length"))
-        scaling = self._field(f"{a}.rope.scaling.type", "none")
+        n_heads = int(self.field(f"{a}.attention.head_count"))
+        hidden = int(self.field(f"{a}.embedding_length"))
+        scaling = self.field(f"{a}.rope.scaling.type", "none")
         if scaling not in ("none", None):
             raise SpecdecError(f"{self.path.name} uses rope scaling {scaling!r}, which the exporter does not carry",
                                "please report this model")
         return ModelConfig(
             model_type=a,
-            n_layers=int(self._field(f"{a}.block_count")),
+            n_layers=int(self.field(f"{a}.block_count")),
             hidden_size=hidden,
             n_heads=n_heads,
-            n_kv_heads=int(self._field(f"{a}.attention.head_count_kv", n_heads)),
-            head_dim=int(self._field(f"{a}.attention.key_length", hidden // n_heads)),
-            intermediate_size=int(self._field(f"{a}.feed_forward_length")),
+            n_kv_heads=int(self.field(f"{a}.attention.head_count_kv", n_heads)),
+            head_dim=int(self.field(f"{a}.attention.key_length", hidden // n_heads)),
+            intermediate_size=int(self.field(f"{a}.feed_forward_length")),
             vocab_size=int(self.tensors["token_embd.weight"].shape[1]),
-            max_position=int(self._field(f"{a}.context_length", 2048)),
-            rms_eps=float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position=int(self.field(f"{a}.context_length", 2048)),
+            rms_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             tie_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
         )
 
     @property
     def rope_theta(self) -> float:
-        return float(self._field(f"{self.arch}.rope.freq_base", 10000.0))
+        return float(self.field(f"{self.arch}.rope.freq_base", 10000.0))
 
     def inv_freq(self) -> np.ndarray:
         H = self.config.head_dim

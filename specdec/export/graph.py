@@ -185,11 +185,11 @@ def _linear(b: _Builder, x: str, weight, name: str, out: str | None = None) -> s
         parts = [_linear(b, x, w_part, f"{name}.{j}") for j, w_part in enumerate(weight)]
         return b.op("Concat", parts, name=f"{name}.concat", axis=-1)[0]
     if isinstance(weight, Carried):
-        from specdec.quant.weight_only import _emit_nbits
+        from specdec.quant.weight_only import emit_nbits
 
         K = weight.q.shape[1] * weight.block_size
         y = out or f"{name}/out0"
-        nodes, inits = _emit_nbits(x, y, name, (weight.q, weight.scale, weight.offset), weight.bits,
+        nodes, inits = emit_nbits(x, y, name, (weight.q, weight.scale, weight.offset), weight.bits,
                                    weight.block_size, K, b.accuracy_level, sums=b.block_sums)
         for t in inits:
             b.add(t)
@@ -201,10 +201,10 @@ def _linear(b: _Builder, x: str, weight, name: str, out: str | None = None) -> s
 def _embed_carried(b: _Builder, table: Carried, codes_name: str) -> str:
     """Token embeddings [B,T,D] gathered from a GGUF table's own codes: GatherBlockQuantized dequantizes the T rows
     (`codes_name`: the LM head's MatMulNBits codes where the head is this table, so they are stored once)."""
-    from specdec.quant.weight_only import _pack
+    from specdec.quant.weight_only import pack_codes
 
     V, nb, bs = table.q.shape
-    b.add(numpy_helper.from_array(_pack(table.q, table.bits), codes_name))  # [V, nb, bs*bits/8]
+    b.add(numpy_helper.from_array(pack_codes(table.q, table.bits), codes_name))  # [V, nb, bs*bits/8]
     ins = [codes_name, "input_ids", b.add(numpy_helper.from_array(table.scale.reshape(V, nb, 1), "embed.scales"))]
     if table.offset is not None or table.bits == 8:  # GatherBlockQuantized's 8-bit zero point must be given
         zp = 0 if table.offset is not None else 128

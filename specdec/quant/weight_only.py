@@ -492,12 +492,12 @@ def _fit_grid(w: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np
     return q.astype(np.uint8), scale.astype(np.float32), lo
 
 
-def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
     """MatMulNBits' B layout [N, nb, bs*bits/8]: 4-bit values two per byte, the first in the low nibble."""
     return q if bits == 8 else (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
 
 
-def _emit_nbits(x: str, y: str, base: str, grid: tuple, bits: int, block_size: int, K: int,
+def emit_nbits(x: str, y: str, base: str, grid: tuple, bits: int, block_size: int, K: int,
                 accuracy_level: int, sums: dict | None = None) -> tuple[list, list]:
     """Nodes and initializers computing y = x @ W for W given as _grid's (q [N,nb,bs], scale [N,nb], offset
     [N,nb] or None): MatMulNBits on the integer codes, plus, for a float block offset m, m * (x's block sums)
@@ -510,7 +510,7 @@ def _emit_nbits(x: str, y: str, base: str, grid: tuple, bits: int, block_size: i
     q, scale, offset = grid
     N, nb, bs = q.shape
     mk = onnx.helper.make_node
-    inits = [numpy_helper.from_array(_pack(q, bits), f"{base}.qweight"),
+    inits = [numpy_helper.from_array(pack_codes(q, bits), f"{base}.qweight"),
              numpy_helper.from_array(scale.reshape(-1).astype(np.float32), f"{base}.scales")]
     ins = [x, f"{base}.qweight", f"{base}.scales"]
     if offset is not None:  # integer zero point 0; the float offsets follow below
@@ -562,7 +562,7 @@ def float_zero_points_as_offsets(model: onnx.ModelProto) -> onnx.ModelProto:
         q = packed if bits == 8 else np.stack([packed & 15, packed >> 4], -1).reshape(N, nb, bs)
         scale = numpy_helper.to_array(inits[node.input[2]]).reshape(N, nb)
         offset = -scale * numpy_helper.to_array(zp).reshape(N, nb)
-        nodes, inits_ = _emit_nbits(node.input[0], node.output[0], node.name, (q, scale, offset), bits=bits,
+        nodes, inits_ = emit_nbits(node.input[0], node.output[0], node.name, (q, scale, offset), bits=bits,
                                     block_size=bs, K=K, accuracy_level=a.get("accuracy_level", 0), sums=sums)
         new_nodes += nodes
         new_inits += inits_
@@ -656,7 +656,7 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, finer: set[st
             grid = tuple(None if parts[0] is None else np.concatenate(parts, axis=0)
                          for parts in zip(*(g for g, *_ in chosen)))  # columns of every sibling, in order
             base = "+".join(n.name or n.input[1] for n in group)
-            nodes, inits_ = _emit_nbits(node.input[0], f"{base}.out", base, grid, bits=bits, block_size=bs, K=K,
+            nodes, inits_ = emit_nbits(node.input[0], f"{base}.out", base, grid, bits=bits, block_size=bs, K=K,
                                         accuracy_level=cfg.accuracy_level, sums=sums)
             inits_.append(numpy_helper.from_array(np.array(widths, dtype=np.int64), f"{base}.widths"))
             nodes.append(onnx.helper.make_node("Split", [f"{base}.out", f"{base}.widths"],
@@ -665,7 +665,7 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, finer: set[st
             new_inits += inits_
             continue
         for n, (grid, bits, bs, _) in zip(group, chosen):
-            nodes, inits_ = _emit_nbits(n.input[0], n.output[0], n.name or n.input[1], grid, bits=bits,
+            nodes, inits_ = emit_nbits(n.input[0], n.output[0], n.name or n.input[1], grid, bits=bits,
                                         block_size=bs, K=inits[n.input[1]].dims[0],
                                         accuracy_level=cfg.accuracy_level, sums=sums)
             new_nodes += nodes
