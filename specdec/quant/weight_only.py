@@ -30,7 +30,7 @@ GPTQ_DAMP = 0.01
 class WeightQuantConfig:
     bits: int = 4  # 4 or 8
     block_size: int = 32
-    # None: the method's better grid, as measured on SmolLM2 in blocks of 128 (bench/README.md, session 12): GPTQ
+    # None: the method's better grid, as measured on SmolLM2 in blocks of 128 (bench/README.md): GPTQ
     # asymmetric (an offset per block; it fits its grids, see _fit_grid), every other method symmetric.
     symmetric: bool | None = None
     accuracy_level: int = 0  # 0 = fp32 activations (T-invariant); 4 = int8 activations (fast, not T-invariant)
@@ -464,7 +464,7 @@ def _grid(w: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.nda
 
 # Clipping searched by _fit_grid for GPTQ's block grids: a block's range shrunk by each of these factors (the GPTQ
 # reference code's "mse" grid search, finer). GPTQ then pushes each rounding's error onto the columns not yet
-# rounded, so a finer step pays; plain round-to-nearest measured worse with it (bench/README.md, session 12).
+# rounded, so a finer step pays; plain round-to-nearest measured worse with it (bench/README.md).
 CLIP_SHRINKS = np.linspace(1.0, 0.55, 19)
 
 
@@ -622,7 +622,7 @@ def quantize_nbits(model: onnx.ModelProto, cfg: WeightQuantConfig, finer: set[st
             if cfg.method == "gptq" and bits == cfg.bits:
                 H = _pad(_pad(grams[w_name], bs).T, bs)  # [K', K']: padded inputs are dead columns
                 grid, how = gptq(_pad(W, bs), H, bits, bs, symmetric, cfg.act_order), "gptq"
-            else:  # min/max grids: fitted clipping helped GPTQ but cost round-to-nearest (0.754 -> 0.728, session 12)
+            else:  # min/max grids: fitted clipping helped GPTQ but cost round-to-nearest (0.754 -> 0.728)
                 grid, how = _grid(_blocks(_pad(W, bs), bs), bits, symmetric)[:3], "rtn"
         key = f"{bits}bit_{'sym' if symmetric else 'asym'}_{how}" + (f"_b{bs}" if bs != cfg.block_size else "")
         return grid, bits, bs, key

@@ -9,7 +9,7 @@ compute-bound: 2.0 ms of a 1-token step and 6.5 ms of a 4-token one (ORT profile
 from ~2-4 tokens on the fp32 head can win. By how much moves with the machine's state: two timings of the same
 steps, minutes apart (ms at T = 1 / 4 / 8, graph -> logits): 25.4 -> 28.6, 38.6 -> 36.1, 58.3 -> 50.4; then 28.8
 -> 32.2, 39.6 -> 38.0, 54.9 -> 55.2. So the decoder times both on the steps it runs and keeps the faster per step
-shape (bench/README.md, session 16).
+shape (bench/README.md).
 """
 from __future__ import annotations
 
