@@ -120,9 +120,9 @@ def test_llama_gguf_rows_are_unpermuted(tmp_path):
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)(
             torch.tensor(ids)).logits.numpy()
-    from specdec.export.verify import _graph_logits
+    from specdec.export.verify import graph_logits
 
-    got = _graph_logits(tmp_path / "b" / "target.onnx", m.graphs["target"], np.concatenate([ids, ids], 1))[:, :16]
+    got = graph_logits(tmp_path / "b" / "target.onnx", m.graphs["target"], np.concatenate([ids, ids], 1))[:, :16]
     assert np.abs(got - ref).max() < 1e-3
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from specdec.errors import SpecdecError
 from specdec.export.external import ExternalData, save_streamed
-from specdec.export.gguf_source import GGUFSource
+from specdec.export.gguf_source import GGUFSource, reference_logits
 from specdec.export.graph import CONTROL_INPUTS, build_decoder_graph, kv_input_names, kv_output_names
 from specdec.runtime.manifest import ARGMAX_ROWS, LOGITS_ROWS, GraphSpec
 
@@ -109,13 +109,13 @@ def check_gguf_graph(src: GGUFSource, path: Path, spec: GraphSpec, precision: st
     (top1_agreement_fast_kernels)."""
     import onnx
 
-    from specdec.export.verify import _graph_logits
+    from specdec.export.verify import graph_logits
 
     ids = np.random.default_rng(seed).integers(0, spec.model.vocab_size, size=(1, CHECK_TOKENS))
     fast = None
     check_path = path
     if precision == "gguf":
-        fast = _graph_logits(path, spec, ids)[0].argmax(-1)  # [n]
+        fast = graph_logits(path, spec, ids)[0].argmax(-1)  # [n]
         model = onnx.load_model(str(path), load_external_data=False)
         for node in model.graph.node:
             for a in node.attribute:
@@ -125,22 +125,16 @@ def check_gguf_graph(src: GGUFSource, path: Path, spec: GraphSpec, precision: st
         save_streamed(model, check_path)
         del model
     try:
-        got = _graph_logits(check_path, spec, ids)[0]  # [n, V]; its session is gone when this returns
+        got = graph_logits(check_path, spec, ids)[0]  # [n, V]; its session is gone when this returns
     finally:
         if check_path != path:
             check_path.unlink(missing_ok=True)
     gc.collect()
-    ref = reference_for_check(src, ids[0], precision)
+    ref = reference_logits(src, ids[0])  # [n, V]
     top = ref.argmax(-1)
     check = GraphCheck(float(np.max(np.abs(got - ref))), float(np.abs(ref).max()), float(np.mean(got.argmax(-1) == top)),
                        None if precision == "fp16" else FP32_TOLERANCE * max(1.0, float(np.abs(ref).max()) / 30.0))
     return check if fast is None else replace(check, fast_top1_agreement=float(np.mean(fast == top)))
-
-
-def reference_for_check(src: GGUFSource, ids: np.ndarray, precision: str) -> np.ndarray:
-    from specdec.export.gguf_source import reference_logits
-
-    return reference_logits(src, ids, carry_codes=precision == "gguf")
 
 
 def export_gguf_graph(src: GGUFSource, path: Path, precision: str, step: Callable, what: str = "target") -> GraphSpec:

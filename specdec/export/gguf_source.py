@@ -246,41 +246,48 @@ class LazyWeights:
         self.final_norm = src.floats("output_norm.weight")
 
     @property
+    def tied(self) -> bool:
+        return "output.weight" not in self.src.tensors
+
+    def _carries(self, name: str) -> bool:
+        return self.carry and self.src.tensor(name).fmt not in FLOAT_TYPES
+
+    @property
+    def head_carried(self) -> bool:
+        return self._carries("token_embd.weight" if self.tied else "output.weight")
+
+    @property
+    def embed_carried(self) -> bool:
+        return self._carries("token_embd.weight")
+
+    @property
     def embed(self):
         """[V, D]: Carried codes (carry) or float32."""
-        if self.carry and self.src.tensor("token_embd.weight").fmt not in FLOAT_TYPES:
+        if self.embed_carried:
             return self.src.matrix("token_embd.weight", True)
         return self.src.floats("token_embd.weight")
 
     @property
     def lm_head(self):
         """None when tied to the embedding; else Carried codes [V, D] or float32 [D, V]."""
-        if "output.weight" not in self.src.tensors:
+        if self.tied:
             return None
         return self.src.matrix("output.weight", self.carry)
 
 
 # ---------------------------------------------------------------------------------------- reference forward
 
-def _as_matmul(w) -> np.ndarray:
-    """A weight as float32 [in, out]."""
-    if isinstance(w, Carried):
-        return np.ascontiguousarray(w.dequantize().T)
-    if isinstance(w, tuple):
-        return np.concatenate([_as_matmul(p) for p in w], axis=1)
-    return w
-
-
 def _rms(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps)).astype(np.float32) * g
 
 
-def reference_logits(src: GGUFSource, ids: np.ndarray, carry_codes: bool = True) -> np.ndarray:
-    """Logits [n, V] of token ids [n] (positions 0..n-1) from the file's weights, dequantized exactly as the kernels
-    read them, by a float32 numpy forward written from the architecture's definition: one layer resident at a
-    time, the LM head in slices of rows."""
+def reference_logits(src: GGUFSource, ids: np.ndarray) -> np.ndarray:
+    """Logits [n, V] of token ids [n] (positions 0..n-1) from the file's weights, dequantized as the kernels read
+    them (carried formats through Carried.dequantize, the others through gguf's own dequantization), by a float32
+    numpy forward written from the architecture's definition: one layer resident at a time, the LM head in slices
+    of rows."""
     cfg = src.config
-    w = src.weights(carry_codes)
+    w = src.weights(carry_codes=False)
     N, KV, H, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps
     n = len(ids)
     x = src.float_rows("token_embd.weight", ids)  # [n, D]
@@ -295,7 +302,7 @@ def reference_logits(src: GGUFSource, ids: np.ndarray, carry_codes: bool = True)
     for i in range(cfg.n_layers):
         lw = w.layers[i]
         h = _rms(x, lw.input_norm, eps)
-        qkv = h @ _as_matmul(lw.qkv)  # [n, (N+2KV)H]
+        qkv = h @ lw.qkv  # [n, (N+2KV)H]
         if lw.qkv_bias is not None:
             qkv = qkv + lw.qkv_bias
         q = rope(qkv[:, : N * H].reshape(n, N, H).transpose(1, 0, 2))  # [N, n, H]
@@ -306,10 +313,10 @@ def reference_logits(src: GGUFSource, ids: np.ndarray, carry_codes: bool = True)
         scores = q @ k.transpose(0, 2, 1) * np.float32(H ** -0.5) + mask  # [N, n, n]
         scores = np.exp(scores - scores.max(-1, keepdims=True))
         attn = (scores / scores.sum(-1, keepdims=True)) @ v  # [N, n, H]
-        x = x + attn.transpose(1, 0, 2).reshape(n, N * H) @ _as_matmul(lw.o_proj)
+        x = x + attn.transpose(1, 0, 2).reshape(n, N * H) @ lw.o_proj
         h = _rms(x, lw.post_norm, eps)
-        gate, up = h @ _as_matmul(lw.gate), h @ _as_matmul(lw.up)  # [n, F]
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ _as_matmul(lw.down)
+        gate, up = h @ lw.gate, h @ lw.up  # [n, F]
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ lw.down
         del lw
     h = _rms(x, w.final_norm, eps)  # [n, D]
     name = "output.weight" if "output.weight" in src.tensors else "token_embd.weight"

@@ -57,6 +57,18 @@ class DecoderWeights:
     inv_freq: np.ndarray  # [H/2] rotary inverse frequencies (any rope scaling already applied)
     rope_scale: float = 1.0  # multiplies cos/sin (HF's attention_scaling)
 
+    @property
+    def tied(self) -> bool:
+        return self.lm_head is None
+
+    @property
+    def head_carried(self) -> bool:
+        return isinstance(self.embed if self.lm_head is None else self.lm_head, Carried)
+
+    @property
+    def embed_carried(self) -> bool:
+        return isinstance(self.embed, Carried)
+
 
 def weights_from_torch(model) -> DecoderWeights:
     """Read a transformers Llama/Mistral/Qwen2 model into plain numpy arrays."""
@@ -277,14 +289,15 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     cos = b.init("rope.cos", np.cos(t) * w.rope_scale)
     sin = b.init("rope.sin", np.sin(t) * w.rope_scale)
     head = None
-    carried_head = isinstance(w.lm_head if w.lm_head is not None else w.embed, Carried)
+    # Read once: a lazily loaded model (export/gguf_source.py) decodes a table on every access to embed / lm_head.
+    tied, carried_head, carried_embed = w.tied, w.head_carried, w.embed_carried
     if carried_head and (head_vocab is not None or exact_argmax or features is not None):
         raise ValueError("a graph with GGUF codes as its head has no draft-vocabulary head, exact argmax or features")
     if first_layer:
         x = HIDDEN_IN  # [B,T,D]
-    elif isinstance(w.embed, Carried):
-        x = _embed_carried(b, w.embed, "lm_head.qweight" if w.lm_head is None else "embed.qweight")  # [B,T,D]
-    elif w.lm_head is None:
+    elif carried_embed:
+        x = _embed_carried(b, w.embed, "lm_head.qweight" if tied else "embed.qweight")  # [B,T,D]
+    elif tied:
         # Tied head: store the matrix once, as the head's [D, V] MatMul weight (MatMul beats Gemm with
         # transB at verification widths), and look embeddings up as its columns.
         head = b.init("lm_head.weight", np.ascontiguousarray(w.embed.T))
@@ -301,10 +314,10 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         x = b.op("Add", [b.op("MatMul", [cat, b.init("features.fc.weight", features.fc)], name="features.fc")[0],
                          b.init("features.fc.bias", features.fc_bias)], name="features.fc_bias")[0]  # [B,T,D]
     if logits and head_vocab is not None:
-        full = w.embed.T if w.lm_head is None else w.lm_head  # [D, V]
+        full = w.embed.T if tied else w.lm_head  # [D, V]
         head = b.init("draft_head.weight", np.ascontiguousarray(full[:, np.asarray(head_vocab)]))  # [D, N]
     elif logits and head is None and not carried_head:
-        head = b.init("lm_head.weight", np.ascontiguousarray(w.embed.T) if w.lm_head is None else w.lm_head)
+        head = b.init("lm_head.weight", np.ascontiguousarray(w.embed.T) if tied else w.lm_head)
     pad_rows = None
     if pad_attention:
         if first_layer or tree or features is not None:
@@ -356,10 +369,10 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
                                       [pending, residual, b.init("final_norm", w.final_norm)], n_out=4,
                                       domain=MS, name="final_norm", epsilon=eps)  # [B,T,D]
         if exact_argmax:
-            add_exact_argmax(b, normed, head, w.embed.T if w.lm_head is None else w.lm_head)  # [B,A]
+            add_exact_argmax(b, normed, head, w.embed.T if tied else w.lm_head)  # [B,A]
         rows = b.op("Gather", [normed, LOGITS_ROWS], name="logits_rows", axis=1)[0] if logits_rows else normed
         if carried_head:
-            _linear(b, rows, w.embed if w.lm_head is None else w.lm_head, "lm_head", out="logits")  # [B,R,V]
+            _linear(b, rows, w.embed if tied else w.lm_head, "lm_head", out="logits")  # [B,R,V]
         else:
             b.op("MatMul", [rows, head], outputs=["logits"], name="lm_head")  # [B,R,V] (R = T without logits_rows)
         if argmax and not exact_argmax:

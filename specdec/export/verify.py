@@ -63,7 +63,7 @@ class LogitCheck:
         return checks
 
 
-def _graph_logits(graph_path: Path, spec: GraphSpec, ids: np.ndarray) -> np.ndarray:
+def graph_logits(graph_path: Path, spec: GraphSpec, ids: np.ndarray) -> np.ndarray:
     """The graph's logits [1,n,vocab] (float32) for ids [1,n]: a prefill in chunks of 32, then the last 8 in
     one multi-token step, the verification shape."""
     cfg = spec.model
@@ -92,14 +92,14 @@ def check_logits(model, graph_path: Path, spec: GraphSpec, n_tokens: int = 48, s
     ids = np.random.default_rng(seed).integers(0, spec.model.vocab_size, size=(1, n_tokens))
     with torch.no_grad():
         ref = model(torch.tensor(ids)).logits.float().numpy()  # [1, n, vocab]
-    return _compare("transformers", _graph_logits(graph_path, spec, ids), ref)
+    return _compare("transformers", graph_logits(graph_path, spec, ids), ref)
 
 
 def check_against_graph(ref_path: Path, ref_spec: GraphSpec, graph_path: Path, spec: GraphSpec,
                         n_tokens: int = 48, seed: int = 0) -> LogitCheck:
     """A converted graph's logits against the fp32 graph it was converted from (`specdec quantize --to fp16`)."""
     ids = np.random.default_rng(seed).integers(0, spec.model.vocab_size, size=(1, n_tokens))
-    return _compare("fp32_graph", _graph_logits(graph_path, spec, ids), _graph_logits(ref_path, ref_spec, ids))
+    return _compare("fp32_graph", graph_logits(graph_path, spec, ids), graph_logits(ref_path, ref_spec, ids))
 
 
 # int8-activation kernels round each activation block to 8 bits, so a float difference upstream, however small,
