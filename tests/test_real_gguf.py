@@ -64,6 +64,28 @@ def test_qwen05_exports_its_own_codes_within_memory(qwen05):
     assert peak < 2.0e9, peak
 
 
+def test_qwen05_logits_match_transformers(qwen05):
+    """The bundle against an independent reference: transformers' own GGUF loader and fp32 forward, on real text.
+    The bundle runs int8-activation kernels, so near-ties may flip; the logits stay within a few hundredths."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdec.export.verify import graph_logits
+
+    gguf, out, _ = qwen05
+    engine = specdec.load(out, drafter="none")
+    ids = np.array([engine.encode(PROMPTS[0] + " " + PROMPTS[1])[:40]])  # [1, n]
+    spec = engine.manifest.graphs["target"]
+    got = graph_logits(out / spec.file, spec, ids)[0]  # [n, V]
+    del engine
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)).logits[0].numpy()  # [n, V]
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.95
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+
+
 def test_qwen05_speculation_is_token_identical(qwen05):
     _, out, _ = qwen05
     plain = specdec.load(out, drafter="none")
