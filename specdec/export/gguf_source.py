@@ -129,8 +129,8 @@ class GGUFSource:
         t = self.tensor(name)
         if t.fmt in ("F32", "F16"):
             return np.asarray(t.data, dtype=np.float32).reshape(t.shape)
-        if t.fmt in CARRIED:
-            return carry(t.fmt, np.asarray(t.data).reshape(t.shape[0], -1), t.shape[-1]).dequantize()
+        if t.fmt in CARRIED:  # decoded a slice of rows at a time: the intermediates stay small
+            return _carry_chunked(t.fmt, np.asarray(t.data).reshape(t.shape[0], -1), t.shape[-1]).dequantize()
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
