@@ -24,6 +24,7 @@ from specdec.export.verify import check_logits, measure_min_step_tokens
 from specdec.quant.weight_only import FAST_TARGET_PRESETS, SELF_DRAFT_PRESETS, TARGET_PRESETS, quantize_weights
 from specdec.runtime.manifest import (ARGMAX_ROWS, ATTENTION_BIAS, LOGITS_ROWS, MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
                                       read_manifest, sha256_file)
+from specdec.export.source import is_gguf
 from specdec.runtime.tokenizer import vocab_digest
 
 DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "layerskip", "eagle", "medusa", "model:PATH")
@@ -177,14 +178,17 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
 
     model_path = Path(model_path) if model_path is not None else default_model_path()
     precision = cfg.precision
-    if precision == "auto":
-        precision = "gguf" if cfg.streams_gguf and is_gguf(model_path) and gguf_is_quantized(model_path) else "fp32"
     if precision == "gguf" and not is_gguf(model_path):
         raise SpecdecError(f"--precision gguf carries a GGUF file's own codes; {model_path} is not a GGUF file",
                            "export with --precision fp32, int8 or int4")
-    if is_gguf(model_path) and precision in ("gguf", "fp32", "fp16") and cfg.streams_gguf:
-        return _export_gguf(model_path, out_dir, replace(cfg, precision=precision), step, draft_bundle, draft_gguf)
-    cfg = replace(cfg, precision=precision)
+    if is_gguf(model_path) and cfg.streams_gguf and precision in ("auto", "gguf", "fp32", "fp16"):
+        from specdec.export.gguf_source import GGUFSource
+
+        step(f"reading {model_path.name}")
+        src = GGUFSource(model_path)  # read once: its metadata takes seconds to parse for a 150k vocabulary
+        precision = ("gguf" if src.quantized else "fp32") if precision == "auto" else precision
+        return _export_gguf(src, out_dir, replace(cfg, precision=precision), step, draft_bundle, draft_gguf)
+    cfg = replace(cfg, precision="fp32" if precision == "auto" else precision)
 
     step("loading model")
     source = load_source(model_path)
@@ -375,32 +379,16 @@ def _copy_draft_bundle(src: Path, dst: Path, target_tok: TokenizerSpec) -> Graph
                      inputs=g.inputs, outputs=g.outputs, hidden_layers=g.hidden_layers, quant=g.quant, checks=g.checks)
 
 
-def is_gguf(path: Path) -> bool:
-    from specdec.export.source import GGUF_MAGIC
-
-    path = Path(path)
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return f.read(4) == GGUF_MAGIC
-
-
-def gguf_is_quantized(path: Path) -> bool:
-    """Whether a GGUF's matrices are stored quantized (its own precision is then not fp32)."""
-    from specdec.export.gguf_source import GGUFSource
-
-    return any(fmt not in ("F32", "F16", "BF16") for fmt in GGUFSource(path).formats())
-
-
-def _gguf_tokenizer(src, path: Path, folder: Path) -> TokenizerSpec:
-    """The GGUF's tokenizer saved into `folder` (gguf_source.save_tokenizer) and described."""
+def _gguf_tokenizer(path: Path, folder: Path, eos_id: int | None = None) -> TokenizerSpec:
+    """The GGUF's tokenizer saved into `folder` (gguf_source.save_tokenizer) and described; `eos_id`: the file's
+    tokenizer.ggml.eos_token_id, listed first."""
     from tokenizers import Tokenizer
 
     from specdec.export.gguf_source import save_tokenizer
 
     info = save_tokenizer(path, folder)
     eos = []
-    for cand in (src.field("tokenizer.ggml.eos_token_id"), info["eos"]):
+    for cand in (eos_id, info["eos"]):
         if cand is not None and int(cand) not in eos:
             eos.append(int(cand))
     if not eos:
@@ -414,10 +402,8 @@ def _check_gguf_draft_vocab(path: Path, target_digest: str) -> None:
     """A draft GGUF must share the target's vocabulary: one error before any graph is written."""
     import tempfile
 
-    from specdec.export.gguf_source import GGUFSource
-
     with tempfile.TemporaryDirectory() as tmp:
-        digest = _gguf_tokenizer(GGUFSource(path), path, Path(tmp)).vocab_digest
+        digest = _gguf_tokenizer(path, Path(tmp)).vocab_digest
     if digest != target_digest:
         raise SpecdecError(f"draft model {path} has a different vocabulary from the target "
                            f"(vocab digest {digest[:12]} vs {target_digest[:12]})",
@@ -431,29 +417,27 @@ def _stream_gguf_draft(path: Path, partial: Path, step) -> GraphSpec:
     from specdec.export.gguf_source import GGUFSource
 
     src = GGUFSource(path)
-    precision = "gguf" if any(f not in ("F32", "F16", "BF16") for f in src.formats()) else "fp32"
+    precision = "gguf" if src.quantized else "fp32"
     (partial / "draft").mkdir(exist_ok=True)
     step(f"writing draft graph ({precision}) from {path.name}")
     spec = export_gguf_graph(src, partial / "draft" / "target.onnx", precision, step, what="draft")
     return replace(spec, file="draft/target.onnx")
 
 
-def _export_gguf(model_path: Path, out_dir: Path, cfg: ExportConfig, step, draft_bundle: Path | None,
+def _export_gguf(src, out_dir: Path, cfg: ExportConfig, step, draft_bundle: Path | None,
                  draft_gguf: Path | None) -> Manifest:
-    """A GGUF target streamed tensor by tensor into the bundle (export/gguf_export.py): bounded memory at any
-    model size, the file's own quantized codes with precision "gguf"."""
+    """A GGUF target (gguf_source.GGUFSource) streamed tensor by tensor into the bundle (export/gguf_export.py):
+    bounded memory at any model size, the file's own quantized codes with precision "gguf"."""
     from specdec.export.gguf_export import export_gguf_graph, gguf_fingerprint
-    from specdec.export.gguf_source import GGUFSource
 
-    step(f"reading {model_path.name}")
-    src = GGUFSource(model_path)
+    model_path = src.path
     model_cfg = src.config
     if cfg.max_len > model_cfg.max_position:
         raise SpecdecError(f"--max-len {cfg.max_len} exceeds the model's {model_cfg.max_position} positions")
     draft_manifest = read_manifest(draft_bundle) if draft_bundle is not None else None
     with staged_folder(out_dir) as partial:
         step("writing tokenizer")
-        tok_spec = _gguf_tokenizer(src, model_path, partial)
+        tok_spec = _gguf_tokenizer(model_path, partial, src.field("tokenizer.ggml.eos_token_id"))
         if draft_manifest is not None:  # before any graph is written
             _check_same_vocab(draft_bundle, draft_manifest, tok_spec.vocab_digest)
         if draft_gguf is not None:

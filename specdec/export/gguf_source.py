@@ -113,6 +113,11 @@ class GGUFSource:
             out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
         return out
 
+    @property
+    def quantized(self) -> bool:
+        """Whether its matrices are stored quantized (its own precision is then not fp32)."""
+        return any(fmt not in FLOAT_TYPES for fmt in self.formats())
+
     def not_carried(self) -> list[tuple[str, str]]:
         """(tensor, type) of the matrices whose type has no exact MatMulNBits form."""
         return [(t.name, t.tensor_type.name) for t in self.tensors.values()

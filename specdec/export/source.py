@@ -60,6 +60,15 @@ class Source:
     path: Path
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a file that starts with the GGUF magic."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
 def _kind_of(path: Path) -> str:
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -67,9 +76,8 @@ def _kind_of(path: Path) -> str:
         raise SpecdecError(f"{path} is a folder without config.json, not a Hugging Face checkpoint",
                            "pass a checkpoint folder or a .gguf file")
     if path.is_file():
-        with open(path, "rb") as f:
-            if f.read(4) == GGUF_MAGIC:
-                return "gguf"
+        if is_gguf(path):
+            return "gguf"
         raise SpecdecError(f"{path} is neither a GGUF file (no GGUF header) nor a checkpoint folder",
                            "pass a checkpoint folder or a .gguf file")
     raise SpecdecError(f"model path {path} does not exist", "check the path, or omit it to use the default model")
