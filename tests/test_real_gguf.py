@@ -6,7 +6,6 @@ child process so its peak RSS is its own.
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -33,13 +32,19 @@ def fetched(name: str) -> Path:
         pytest.fail(f"cannot get the real model {name}: {e}", pytrace=False)
 
 
+# Runs a command and prints the peak RSS (KiB) of its largest descendant. A fresh intermediate process is needed:
+# RUSAGE_CHILDREN of pytest itself is the maximum over every child it ever waited for (pip downloads included).
+_PEAK_OF_CHILD = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+                  "sys.stderr.write(p.stderr); "
+                  "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(p.returncode)")
+
+
 def export_in_child(args: list, out: Path) -> int:
     """Run `specdec export ARGS -o OUT` in a child; return the peak RSS (bytes) of its largest process."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    subprocess.run([sys.executable, "-m", "specdec.cli", "export", *map(str, args), "-o", str(out)], check=True,
-                   capture_output=True, text=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(before, after) * 1024
+    cmd = [sys.executable, "-m", "specdec.cli", "export", *map(str, args), "-o", str(out)]
+    proc = subprocess.run([sys.executable, "-c", _PEAK_OF_CHILD, *cmd], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return int(proc.stdout.split()[-1]) * 1024
 
 
 @pytest.fixture(scope="module")
