@@ -284,10 +284,12 @@ class _Row:
         self.policy: DraftLenPolicy | None = None
         self.t_decode = 0.0
         self.done = False
+        self.index = -1  # its row in the batch
+        self.piece = ""  # the text the last round added (streamed by the server)
 
     def emit(self, tokens: list[int]) -> bool:
         """Take one round's tokens exactly as Engine.stream does; True when finished."""
-        self.out.push(tokens)
+        self.piece = self.out.push(tokens)
         self.stats.new_tokens = len(self.out.ids)
         return self.out.done
 
@@ -392,37 +394,73 @@ class BatchedEngine:
         """Yield (request, Generation) as rows finish, or (request, SpecdecError) for one that cannot run
         (an empty or too long prompt). Rows are refilled from `requests` as they free up."""
         queue = iter(requests)
-        B = self.batch_size
-        kv = self.target.kv
-        kv.reset()
-        if self.draft_model is not None:
-            self.draft_model.kv.reset()
-        rows: list[_Row | None] = [None] * B
-        eos = set(self.manifest.tokenizer.eos_token_ids)
+        self.open()
         exhausted = False
         while True:
             # Refill free rows; a request can also finish (or fail) at its prefill.
-            for r in range(B):
-                while rows[r] is None and not exhausted:
-                    req = next(queue, None)
-                    if req is None:
-                        exhausted = True
-                        break
-                    try:
-                        row = self._start(r, req, eos)
-                    except SpecdecError as e:
-                        yield req, e
-                        continue
-                    if row.done:
-                        yield req, row.result()
-                    else:
-                        rows[r] = row
-            active = [r for r in range(B) if rows[r] is not None]
-            if not active:
+            while self.free_rows() and not exhausted:
+                req = next(queue, None)
+                if req is None:
+                    exhausted = True
+                    break
+                try:
+                    row = self.admit(req)
+                except SpecdecError as e:
+                    yield req, e
+                    continue
+                if row.done:
+                    yield req, row.result()
+            if not self.active:
                 return
-            for r in self._round({r: rows[r] for r in active}):
-                row, rows[r] = rows[r], None
+            for row in self.step():
                 yield row.req, row.result()
+
+    # ------------------------------------------------------------------------------------------ step by step
+    # A caller that takes requests as they come (the HTTP server) drives the loop itself: admit into free rows,
+    # step, read each row's new text, drop a row whose client went away.
+
+    def open(self) -> None:
+        """Empty every row: the start of a run (KV lengths to 0; the buffers are reused)."""
+        self.target.kv.reset()
+        if self.draft_model is not None:
+            self.draft_model.kv.reset()
+        self.rows: list[_Row | None] = [None] * self.batch_size
+        self._eos = set(self.manifest.tokenizer.eos_token_ids)
+
+    def free_rows(self) -> list[int]:
+        return [r for r, row in enumerate(self.rows) if row is None]
+
+    @property
+    def active(self) -> list[_Row]:
+        return [row for row in self.rows if row is not None]
+
+    def admit(self, req: BatchRequest) -> _Row:
+        """Prefill `req` into a free row and return it; it holds the row until it is done or dropped (a row done
+        at its prefill, by EOS or max_new_tokens=1, is not kept). SpecdecError for a prompt that cannot run."""
+        free = self.free_rows()
+        if not free:
+            raise SpecdecError("every row of the batch is busy", "step until a row finishes")
+        row = self._start(free[0], req, self._eos)
+        row.index = free[0]
+        if not row.done:
+            self.rows[free[0]] = row
+        return row
+
+    def drop(self, row: _Row) -> None:
+        """Free a row before it is done (its client went away); its K/V are overwritten by the next request."""
+        if self.rows[row.index] is row:
+            self.rows[row.index] = None
+
+    def step(self) -> list[_Row]:
+        """One draft / verify / accept round over every active row; return the rows that finished (freed).
+        Each active row's `piece` is the text it gained this round."""
+        active = {r: row for r, row in enumerate(self.rows) if row is not None}
+        if not active:
+            return []
+        done = [active[r] for r in self._round(active)]
+        for row in done:
+            self.rows[row.index] = None
+        return done
 
     def _start(self, r: int, req: BatchRequest, eos: set[int]) -> _Row:
         prompt = list(req.prompt_ids)
