@@ -314,3 +314,56 @@ def test_import_specdec_does_not_import_the_web_stack():
     code = "import sys, specdec; bad = [m for m in ('starlette', 'uvicorn', 'prometheus_client') if m in sys.modules]; " \
            "print(bad); sys.exit(1 if bad else 0)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+def _start_cli(bundle: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", str(bundle), "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    return proc, base
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_command_shuts_down_gracefully_on_signals(tiny_bundle, sig):
+    proc, base = _start_cli(tiny_bundle, "--max-batch", "2", "--model-name", "tiny")
+    try:
+        assert proc.poll() is None, proc.stderr.read()
+        body = {"prompt": PROMPTS[0], "max_tokens": 64, "temperature": 0, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(sig)  # mid-answer: the answer in flight is finished, then the server exits
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert proc.wait(60) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+
+
+def test_serve_command_bad_input_is_one_line(tmp_path, tiny_bundle):
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", str(tmp_path / "missing")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", str(tiny_bundle), "--drafter", "eagle"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", str(tiny_bundle), "--host", "0.0.0.0",
+                        "--port", "1", "--max-len", "99999"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "without --api-key" in r.stderr and "Traceback" not in r.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", str(tiny_bundle), "--port",
+                            str(taken.getsockname()[1])], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "address already in use" in r.stderr and "Traceback" not in r.stderr

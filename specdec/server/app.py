@@ -297,6 +297,30 @@ def run_server(make_engine: Callable[[], BatchedEngine], options: ServerOptions,
     """Serve until SIGINT / SIGTERM (uvicorn's handlers: stop accepting, let streams end, then return)."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            # A signal is how a server is stopped: once the graceful shutdown is done the process exits 0,
+            # instead of uvicorn raising the signal again.
+            self._captured_signals.clear()
+
     config = uvicorn.Config(create_app(make_engine, options), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False)
-    uvicorn.Server(config).run()
+    server = Server(config)
+    server.run()
+    if not server.started:  # the port could not be bound (uvicorn has said why)
+        raise SpecdecError(f"could not listen on {host}:{port}", "pick another --port, or stop what holds it")
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def serve_bundle(bundle: Path, host: str, port: int, max_batch: int, options: ServerOptions, max_len: int | None,
+                 drafter: str | None, runtime=None, echo: Callable[[str], None] = print) -> None:
+    """`specdec serve`: load the bundle (errors surface here, before the port is bound), then serve."""
+    if host not in LOOPBACK and options.api_key is None:
+        echo(f"warning: serving on {host} without --api-key: anyone who can reach this machine can use the model")
+    engine = BatchedEngine(bundle, max_batch, max_len=max_len, runtime=runtime, drafter=drafter)
+    echo(f"- {bundle}: {engine.drafter_kind} drafter, draft length {options.draft_len}, {max_batch} rows of "
+         f"{engine.max_len} tokens; OpenAI API at http://{host}:{port}/v1, chat page at http://{host}:{port}/")
+    run_server(lambda: engine, options, host, port, log_level="warning")
