@@ -367,3 +367,46 @@ def test_serve_command_bad_input_is_one_line(tmp_path, tiny_bundle):
         r = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", str(tiny_bundle), "--port",
                             str(taken.getsockname()[1])], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "address already in use" in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ the chat page
+
+def test_chat_page_streams_in_a_real_browser(tiny_bundle):
+    """Headless Chromium (Debian's chromium + chromium-driver, installed by .ci/run) loads /, sends a message, sees
+    the streamed answer and the stats line."""
+    import shutil
+
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    driver_path = shutil.which("chromedriver")
+    if driver_path is None or shutil.which("chromium") is None:
+        pytest.skip("no chromium / chromedriver here (apt-get install chromium chromium-driver)")
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    with running(lambda: BatchedEngine(tiny_bundle, 2, drafter="ngram", max_len=256)) as (base, _):
+        browser = webdriver.Chrome(service=Service(driver_path), options=options)
+        try:
+            browser.get(base + "/")
+            budget = browser.find_element(By.ID, "max_tokens")
+            budget.clear()
+            budget.send_keys("16")  # two turns and their answers fit the tiny KV buffer
+            browser.find_element(By.ID, "input").send_keys("the quick brown fox")
+            browser.find_element(By.ID, "send").click()
+            wait = WebDriverWait(browser, 60)
+            wait.until(lambda b: "tok/s" in b.find_element(By.ID, "stats").text)
+            answer = browser.find_elements(By.CSS_SELECTOR, "#log .assistant")[0].text
+            stats = browser.find_element(By.ID, "stats").text
+            assert browser.find_elements(By.CSS_SELECTOR, "#log .user")[0].text == "> the quick brown fox"
+            assert answer.strip() and "tau" in stats and not browser.find_elements(By.CSS_SELECTOR, "#log .error")
+            # The conversation is kept: a second turn sends both.
+            browser.find_element(By.ID, "input").send_keys("hello world")
+            browser.find_element(By.ID, "send").click()
+            wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#log .assistant")) == 2
+                       and b.find_element(By.ID, "send").is_enabled())
+            assert browser.execute_script("return messages.length") == 4
+        finally:
+            browser.quit()
