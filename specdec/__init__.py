@@ -4,8 +4,7 @@ from specdec.errors import SpecdecError
 from specdec.runtime.engine import Engine, Generation, GenerationConfig, load
 from specdec.runtime.sampling import SamplingConfig
 from specdec.runtime.session import RuntimeOptions
-
-__version__ = "0.1.0"
+from specdec.version import __version__
 
 __all__ = ["Engine", "Generation", "GenerationConfig", "RuntimeOptions", "SamplingConfig", "SpecdecError", "load",
            "__version__"]

@@ -47,7 +47,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from specdec.errors import SpecdecError
 from specdec.runtime.engine import GenerationConfig, default_drafter
@@ -55,8 +55,6 @@ from specdec.runtime.manifest import MANIFEST_NAME, read_manifest
 from specdec.runtime.sampling import SamplingConfig
 from specdec.runtime.session import RuntimeOptions
 
-if TYPE_CHECKING:  # specdec.scaleout imports this module; it is imported here only when --ray runs
-    from specdec.scaleout import RayOptions
 
 META_FORMAT = "specdec-batch"
 META_VERSION = 1
@@ -434,6 +432,13 @@ class JobCounts:
         return self.done_before + self.written
 
 
+class Runner(Protocol):
+    """Generates elsewhere what Generator generates here (specdec.scaleout.RayOptions: on Ray workers). The job
+    knows only this method, so the Ray side imports this module and never the other way round."""
+
+    def results(self, spec: EngineSpec, pending: list[Request]) -> Iterator[tuple[Request, Result]]: ...
+
+
 @dataclass
 class BatchJob:
     bundle: Path
@@ -447,7 +452,8 @@ class BatchJob:
     max_len: int | None = None
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
     force: bool = False
-    ray: RayOptions | None = None  # run the generation on a Ray cluster (specdec/scaleout.py); None = here
+    # Where the generation runs when not in this process (specdec.scaleout.RayOptions: a Ray cluster); None = here.
+    ray: Runner | None = None
     counts: JobCounts = field(default_factory=JobCounts)
 
     def __post_init__(self) -> None:
@@ -587,8 +593,6 @@ class BatchJob:
     def _results(self, pending: list[Request]) -> Iterator[tuple[Request, Result]]:
         """(request, Result) for every pending request, in finishing order: here, or on Ray workers."""
         if self.ray is not None:
-            from specdec.scaleout import ray_results
-
-            yield from ray_results(self.engine_spec(), pending, self.ray)
+            yield from self.ray.results(self.engine_spec(), pending)
             return
         yield from Generator(self.engine_spec()).results(pending)

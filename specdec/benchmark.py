@@ -52,6 +52,18 @@ class BenchConfig:
         return cls(kind, "auto" if k == "auto" else int(k))
 
 
+def runnable_configs(drafter, configs: list[BenchConfig]) -> tuple[list[BenchConfig], list[str]]:
+    """(the configs a bundle whose manifest's drafter is `drafter` can run, the names of those it cannot): each
+    drafter needs its own graphs or heads in the bundle, and "corpus" its corpus."""
+    kind = drafter.kind
+    unusable = {"model": kind != "model", "hybrid": kind not in ("model", "eagle", "medusa"),
+                "hybrid-tree": kind not in ("eagle", "medusa"), "eagle": kind != "eagle",
+                "eagle-tree": kind != "eagle", "medusa": kind != "medusa", "medusa-tree": kind != "medusa",
+                "layerskip": kind != "layerskip", "corpus": drafter.corpus is None}
+    return ([c for c in configs if not unusable.get(c.drafter, False)],
+            [c.name for c in configs if unusable.get(c.drafter, False)])
+
+
 def peak_rss_mb() -> float:
     # ru_maxrss is KiB on Linux, bytes on macOS.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

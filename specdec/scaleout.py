@@ -52,6 +52,10 @@ class RayOptions:
         if self.rows_per_call is not None and self.rows_per_call < 1:
             raise ValueError(f"rows_per_call must be >= 1, got {self.rows_per_call}")
 
+    def results(self, spec: EngineSpec, pending: list[Request]) -> Iterator[tuple[Request, Result]]:
+        """BatchJob's Runner: the pending requests generated on this cluster."""
+        return ray_results(spec, pending, self)
+
 
 @dataclass(frozen=True)
 class WorkerPlan:

@@ -5,7 +5,8 @@ Spec-Bench (``question.jsonl``) holds one JSON object per line with ``question_i
 Only the first turn is used: multi-turn questions would need the model's own first answer
 as context, which differs between runtimes and would make the prompts differ.
 
-Standard library only (json + dataclasses + random): `specdec bench` and the scripts under bench/ share it.
+Standard library only (json + dataclasses + random) and specdec.errors: `specdec bench` and the scripts under
+bench/ share it.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from specdec.errors import SpecdecError
 
 # Spec-Bench's questions ship with specdec (data/README.md): `specdec bench` works wherever specdec is installed.
 DEFAULT_QUESTIONS = Path(__file__).resolve().parent / "data" / "spec_bench_questions.jsonl"
@@ -73,3 +76,18 @@ def load_spec_bench(path: str | Path, limit_per_category: int | None = None,
 def categories(prompts: list[Prompt]) -> list[str]:
     """Distinct categories in first-appearance order."""
     return list(dict.fromkeys(p.category for p in prompts))
+
+
+def questions_as_prompts(questions: Path | None, limit: int) -> list[Prompt]:
+    """The questions of a Spec-Bench JSONL (default: the copy shipped with specdec), `limit` per category (0: all);
+    a missing, malformed or empty file is the user's input error."""
+    questions = Path(questions) if questions else DEFAULT_QUESTIONS
+    if not questions.is_file():
+        raise SpecdecError(f"questions file {questions} not found", "pass --questions PATH")
+    try:
+        prompts = load_spec_bench(questions, limit_per_category=limit or None)
+    except ValueError as e:
+        raise SpecdecError(str(e), "pass a Spec-Bench question.jsonl") from None
+    if not prompts:
+        raise SpecdecError(f"{questions} holds no questions", "pass a Spec-Bench question.jsonl")
+    return prompts

@@ -782,7 +782,7 @@ def test_cli_build_engines_without_tensorrt(tiny_bundle):
 
 
 def test_cli_provider_tensorrt_keeps_engines_in_the_bundle(tiny_bundle):
-    from specdec.cli import _device_setup
+    from specdec.cli.common import device_runtime as _device_setup
 
     runtime, _, _ = _device_setup(None, tiny_bundle, "tensorrt", None, 0)
     assert runtime.trt_cache_dir == str(Path(tiny_bundle) / "trt_cache")

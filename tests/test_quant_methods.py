@@ -108,7 +108,7 @@ def test_gptq_is_round_to_nearest_for_uncorrelated_inputs_and_beats_it_otherwise
     """With H = identity no column's error can be absorbed by others: GPTQ is plain rounding (on the
     same fitted grid). With correlated
     inputs it must lower the layer's output error ||X (W - Q)||, the quantity it minimises."""
-    from specdec.quant.weight_only import _blocks, _dequantize, _fit_grid
+    from specdec.quant.grid import _blocks, _dequantize, _fit_grid
 
     rng = np.random.default_rng(0)
     K, N, bs = 64, 24, 32
@@ -131,7 +131,7 @@ def test_act_order_rounds_high_energy_channels_first_and_lowers_the_error():
     """Inputs whose channels differ in energy (as LLM activations do): walking the loud channels first leaves the
     quiet ones to absorb their error, so the output error drops well below GPTQ's in plain order. With H
     diagonal no error moves, and act-order's static block scales make it round-to-nearest exactly."""
-    from specdec.quant.weight_only import _blocks, _dequantize, _fit_grid
+    from specdec.quant.grid import _blocks, _dequantize, _fit_grid
 
     rng = np.random.default_rng(3)
     K, N, bs = 128, 32, 32
@@ -187,7 +187,7 @@ def test_a_k_that_is_not_a_multiple_of_the_block_is_padded(method, symmetric):
 def test_fitted_clipping_lowers_the_squared_error_of_4_bit_blocks():
     """_fit_grid's clipping search never does worse than the min/max grid (a shrink of 1 is among its choices)
     and does better on Gaussian blocks, whose extremes are rare; 8 bits keep the min/max grid."""
-    from specdec.quant.weight_only import _blocks, _dequantize, _fit_grid, _grid
+    from specdec.quant.grid import _blocks, _dequantize, _fit_grid, _grid
 
     W = np.random.default_rng(2).standard_normal((256, 48)).astype(np.float32)
     for symmetric in (True, False):

@@ -5,27 +5,27 @@ export never leaves a half-written bundle where a good one (or nothing) was.
 """
 from __future__ import annotations
 
-import contextlib
 import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import onnx
 
-import specdec
 from specdec.errors import SpecdecError
+from specdec.export.writer import bundle_files, staged_folder
 from specdec.export.graph import (CONTROL_INPUTS, DecoderWeights, build_decoder_graph, kv_input_names,
                                   kv_output_names, model_config_from_hf, save_graph, weights_from_torch)
 from specdec.export.layerskip import LayerSkipConfig
 from specdec.export.verify import check_logits, measure_min_step_tokens
 from specdec.quant.weight_only import FAST_TARGET_PRESETS, SELF_DRAFT_PRESETS, TARGET_PRESETS, quantize_weights
 from specdec.runtime.manifest import (ARGMAX_ROWS, ATTENTION_BIAS, LOGITS_ROWS, MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
-                                      read_manifest, sha256_file)
+                                      read_manifest)
 from specdec.export.source import is_gguf
 from specdec.runtime.tokenizer import vocab_digest
+from specdec.version import __version__
 
 DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "layerskip", "eagle", "medusa", "model:PATH")
 # fp16 is for GPUs (a CPU runs the fp32 graph faster); int8/int4 are weight-only with fp32 activations. "gguf"
@@ -107,31 +107,6 @@ class ExportConfig:
         if self.draft_len is not None:
             return self.draft_len
         return DEFAULT_DRAFT_LEN.get(self.drafter, DEFAULT_DRAFT_LEN["other"])
-
-
-@contextlib.contextmanager
-def staged_folder(out_dir: Path, suffix: str = ".partial", create: bool = True) -> Iterator[Path]:
-    """Yield a side folder `<out_dir><suffix>` to write into; rename it to `out_dir` when the block succeeds, remove
-    it when it fails or is interrupted: `out_dir` only ever holds a whole bundle (or what it held before).
-    `create=False` leaves making the folder to the block (e.g. an export_bundle into it)."""
-    partial = out_dir.with_name(out_dir.name + suffix)
-    shutil.rmtree(partial, ignore_errors=True)
-    if create:
-        partial.mkdir(parents=True)
-    try:
-        yield partial
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        partial.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-
-
-def bundle_files(folder: Path) -> dict[str, str]:
-    """Every file of a bundle folder but its manifest, with its SHA-256: the manifest's `files`."""
-    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.relative_to(folder).as_posix() != MANIFEST_NAME}
 
 
 def _graph_spec(file: str, cfg: ModelConfig, precision: str, n_layers: int, hidden: tuple[int, ...] = (),
@@ -344,7 +319,7 @@ def _write_manifest(partial: Path, cfg: ExportConfig, graphs: dict[str, GraphSpe
             drafter = replace(drafter, corpus=CORPUS_FILE)
     step("writing manifest")
     manifest = Manifest(tokenizer=tok_spec, graphs=graphs, drafter=drafter, files=bundle_files(partial),
-                        default_max_len=cfg.max_len, source=str(source), created_by=f"specdec {specdec.__version__}")
+                        default_max_len=cfg.max_len, source=str(source), created_by=f"specdec {__version__}")
     (partial / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
 

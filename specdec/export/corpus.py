@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from specdec.errors import SpecdecError
+from specdec.export.writer import bundle_files
 from specdec.runtime.drafters.corpus import Corpus
 from specdec.runtime.manifest import MANIFEST_NAME, read_manifest
 
@@ -68,8 +69,6 @@ def extended(base: Corpus | None, texts: Sequence[np.ndarray], vocab_size: int) 
 def add_corpus(bundle: Path, folders: Sequence[Path], keep: bool = False) -> dict:
     """Write bundle/corpus.npz from the folders' answers (after the bundle's current corpus, with `keep`) and
     record it in the manifest (checksummed)."""
-    from specdec.export.bundle import bundle_files
-
     bundle = Path(bundle)
     m = read_manifest(bundle)
     base = None

@@ -281,7 +281,8 @@ def train_draft_model(model_path: str | Path | None, out_dir: str | Path, cfg: D
 
     import torch
 
-    from specdec.export.bundle import ExportConfig, bundle_files, export_bundle, staged_folder
+    from specdec.export.bundle import ExportConfig, export_bundle
+    from specdec.export.writer import bundle_files, staged_folder
     from specdec.export.prompts import instruction_prompts, target_answers
     from specdec.export.source import load_source
     from specdec.runtime.manifest import MANIFEST_NAME

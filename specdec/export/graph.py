@@ -213,7 +213,7 @@ def _linear(b: _Builder, x: str, weight, name: str, out: str | None = None) -> s
 def _embed_carried(b: _Builder, table: Carried, codes_name: str) -> str:
     """Token embeddings [B,T,D] gathered from a GGUF table's own codes: GatherBlockQuantized dequantizes the T rows
     (`codes_name`: the LM head's MatMulNBits codes where the head is this table, so they are stored once)."""
-    from specdec.quant.weight_only import pack_codes
+    from specdec.quant.grid import pack_codes
 
     V, nb, bs = table.q.shape
     b.add(numpy_helper.from_array(pack_codes(table.q, table.bits), codes_name))  # [V, nb, bs*bits/8]

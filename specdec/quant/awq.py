@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from specdec.quant.weight_only import rounding_error
+from specdec.quant.grid import rounding_error
 
 # AWQ searches 20 steps over [0, 1]; half as many keeps the search under ~2 minutes for SmolLM2-135M's 120 sites.
 ALPHAS = np.linspace(0.0, 1.0, 11)

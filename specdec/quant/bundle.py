@@ -9,7 +9,8 @@ from typing import Callable
 import onnx
 
 from specdec.errors import SpecdecError
-from specdec.export.bundle import SPLIT_TOLERANCE, bundle_files, staged_folder
+from specdec.export.bundle import SPLIT_TOLERANCE
+from specdec.export.writer import bundle_files, staged_folder
 from specdec.export.exact_argmax import strip_exact_argmax
 from specdec.export.graph import save_graph, save_graph_sharing
 from specdec.export.verify import check_against_graph, measure_min_step_tokens

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 from specdec.errors import SpecdecError
 from specdec.runtime.manifest import sha256_file
+from specdec.version import __version__
 
 ENGINES_RECORD = "engines.json"
 ENGINES_FORMAT = "specdec-trt-engines"
@@ -281,8 +282,6 @@ def claim_engine_cache(cache_dir: Path, graph_path: Path, device_id: int = 0,
     another TensorRT or another version of the graph are never loaded. The record is written before the
     build: if a build is interrupted, the cache still says which device its partial engines belong to.
     """
-    import specdec
-
     cache_dir = Path(cache_dir)
     here = builder or current_builder(device_id)
     key, digest = _graph_key(cache_dir, graph_path), graph_digest(graph_path)
@@ -294,7 +293,7 @@ def claim_engine_cache(cache_dir: Path, graph_path: Path, device_id: int = 0,
             raise SpecdecError(f"TensorRT engine cache {cache_dir} holds engines ({', '.join(stray[:3])}"
                                f"{', ...' if len(stray) > 3 else ''}) but no {ENGINES_RECORD} saying which GPU, "
                                "TensorRT and graph built them", rebuild_hint(cache_dir))
-        record = EngineCacheRecord(builder=here, graphs={key: digest}, created_by=f"specdec {specdec.__version__}")
+        record = EngineCacheRecord(builder=here, graphs={key: digest}, created_by=f"specdec {__version__}")
     else:
         diffs = record.builder.mismatches(here)
         if diffs:

@@ -1,0 +1,4 @@
+"""`python -m specdec.cli ...`, the same as the `specdec` command."""
+from specdec.cli.app import main
+
+main()
