@@ -13,7 +13,8 @@ import click
 from specdec.cli.common import fail
 
 # The modules whose COMMANDS make up `specdec`; `specdec --help` lists the commands alphabetically.
-COMMAND_MODULES = ("specdec.cli.export", "specdec.cli.drafters", "specdec.cli.run", "specdec.cli.quant", "specdec.cli.device")
+COMMAND_MODULES = ("specdec.cli.export", "specdec.cli.drafters", "specdec.cli.run", "specdec.cli.quant", "specdec.cli.device",
+                   "specdec.cli.serve")
 
 
 class _OneLineErrorGroup(click.Group):
