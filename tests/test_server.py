@@ -27,7 +27,7 @@ from specdec import GenerationConfig
 from specdec.runtime.batched import BatchedEngine
 from specdec.runtime.sampling import SamplingConfig
 from specdec.server.app import ServerOptions, create_app
-from specdec.server.schema import ApiError, parse_request
+from specdec.openai_api import ApiError, parse_request
 
 PROMPTS = ["the quick brown fox", "hello world, this is", "a small model proposes", "speculative decoding drafts",
            "the target verifies them", "a large model decides", "tiny tokenizer for tests", "jumps over the lazy"]

@@ -29,12 +29,10 @@ from specdec.runtime.batched import BatchedEngine
 from specdec.runtime.engine import Generation
 from specdec.server.metrics import Metrics
 from specdec.server.scheduler import Scheduler, Ticket
-from specdec.server.schema import ApiError, CompletionRequest, parse_request
+from specdec.openai_api import (FINISH_REASONS, ApiError, CompletionRequest, completion_object, parse_request,
+                                speculation, usage)
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
-# OpenAI's finish reasons: the end of the answer or a stop string is "stop"; a token budget or a full KV
-# buffer is "length".
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "kv_full": "length"}
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25
 
@@ -74,19 +72,6 @@ async def _read_json(request: Request, limit: int) -> object:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
 
-def _speculation(result: Generation) -> dict:
-    """llama-server's `timings`, in specdec's terms: what speculation did for this request."""
-    s = result.stats
-    return {"tokens_per_target_pass": round(s.tau, 4), "drafted": s.drafted, "accepted": s.accepted,
-            "target_passes": s.target_forwards, "prefill_s": round(s.prefill_s, 4),
-            "decode_tok_s": round(s.decode_tok_s, 2)}
-
-
-def _usage(result: Generation) -> dict:
-    prompt, completion = result.stats.prompt_tokens, len(result.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 class _Answer:
     """Builds one request's OpenAI-shaped bodies (whole, or as stream chunks)."""
 
@@ -95,18 +80,12 @@ class _Answer:
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
 
-    def _base(self, chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.req.chat else "text_completion"
+    def _base(self) -> dict:
+        kind = "chat.completion.chunk" if self.req.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def whole(self, result: Generation) -> dict:
-        reason = FINISH_REASONS[result.finish_reason]
-        if self.req.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "finish_reason": reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": result.text, "finish_reason": reason, "logprobs": None}
-        return {**self._base(False), "choices": [choice], "usage": _usage(result), "speculation": _speculation(result)}
+        return completion_object(self.req.chat, result, result.text, self.id, self.created, self.model)
 
     def chunk(self, text: str | None, reason: str | None = None, role: bool = False) -> dict:
         if self.req.chat:
@@ -114,10 +93,10 @@ class _Answer:
             choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
-        return {**self._base(True), "choices": [choice]}
+        return {**self._base(), "choices": [choice]}
 
     def usage_chunk(self, result: Generation) -> dict:
-        return {**self._base(True), "choices": [], "usage": _usage(result), "speculation": _speculation(result)}
+        return {**self._base(), "choices": [], "usage": usage(result), "speculation": speculation(result)}
 
 
 def _sse(obj: dict | str) -> str:

@@ -21,7 +21,7 @@ from typing import Callable
 from specdec.errors import SpecdecError
 from specdec.runtime.batched import BatchedEngine, BatchRequest
 from specdec.runtime.engine import Generation
-from specdec.server.schema import ApiError, CompletionRequest
+from specdec.openai_api import ApiError, CompletionRequest
 
 SEEDED_DRAFT_LEN = 4
 

@@ -1,4 +1,7 @@
-"""OpenAI request bodies -> what the runtime generates, or an ApiError that becomes a 4xx JSON answer.
+"""OpenAI's request and response shapes, shared by `specdec serve` and `specdec batch`.
+
+Request bodies become what the runtime generates, or an ApiError (a 4xx JSON answer of the server, an error
+line of a batch job); Generations become OpenAI's completion objects.
 
 Fields follow OpenAI's chat and completions APIs (`max_tokens` / `max_completion_tokens`, `temperature`,
 `top_p`, `seed`, `stop`, `n`, `stream`, `stream_options.include_usage`) with `top_k` as an extension, as
@@ -15,12 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.errors import SpecdecError
-from specdec.runtime.engine import GenerationConfig
+from specdec.runtime.engine import Generation, GenerationConfig
 from specdec.runtime.sampling import SamplingConfig
 
 # OpenAI's documented default: an unset temperature samples at 1.
 DEFAULT_TEMPERATURE = 1.0
 MAX_STOP_STRINGS = 4  # as OpenAI
+# OpenAI's finish reasons: the end of the answer or a stop string is "stop"; a token budget or a full KV
+# buffer is "length".
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "kv_full": "length"}
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options",
            "user", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "metadata",
@@ -162,3 +168,30 @@ def parse_request(body: Any, chat: bool) -> CompletionRequest:
         raise _bad(str(e)) from None
     return CompletionRequest(prompt=prompt, chat=chat, max_tokens=max_tokens, sampling=sampling, seed=seed,
                              stop=tuple(stop), stream=stream, include_usage=bool(options.get("include_usage")))
+
+
+# ------------------------------------------------------------------------------------------------ responses
+
+def speculation(result: Generation) -> dict:
+    """llama-server's `timings`, in specdec's terms: what speculation did for this request."""
+    s = result.stats
+    return {"tokens_per_target_pass": round(s.tau, 4), "drafted": s.drafted, "accepted": s.accepted,
+            "target_passes": s.target_forwards, "prefill_s": round(s.prefill_s, 4),
+            "decode_tok_s": round(s.decode_tok_s, 2)}
+
+
+def usage(result: Generation) -> dict:
+    prompt, completion = result.stats.prompt_tokens, len(result.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_object(chat: bool, result: Generation, text: str, request_id: str, created: int, model: str) -> dict:
+    """The whole answer: a chat.completion or a text_completion object, with usage and speculation."""
+    reason = FINISH_REASONS[result.finish_reason]
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                  "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice], "usage": usage(result), "speculation": speculation(result)}
