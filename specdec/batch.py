@@ -11,9 +11,21 @@ when the bundle has one) or `messages` (a chat) are required; the rest are optio
 (`max_new_tokens` defaults to the job's). Any other field is an error, so a misspelt setting is never
 silently ignored.
 
+`max_tokens` is taken as another name of `max_new_tokens`. OpenAI Batch API lines are read too (as vLLM's
+`run_batch` does), validated by the server's own rules (specdec/openai_api.py; an unset temperature is 1 there,
+as OpenAI's):
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 64, "temperature": 0}}
+
 Output, one line per finished request, in the order requests finish (not input order when batching):
 
     {"id": "q1", "text": "...", "finish_reason": "eos", "stats": {...}}
+
+and for an OpenAI Batch API line, OpenAI's output line with the completion object as the response body:
+
+    {"id": "batch_req_...", "custom_id": "r1", "response": {"status_code": 200, "request_id": "...",
+     "body": {"object": "chat.completion", "choices": [...], "usage": {...}, ...}}, "error": null}
 
 Guarantees:
 - Atomic lines: a record is built in memory and appended with one write on an O_APPEND descriptor, then
@@ -42,6 +54,7 @@ import errno
 import hashlib
 import json
 import os
+import secrets
 import signal
 import threading
 import time
@@ -69,8 +82,10 @@ DEFAULT_BATCH_SIZE = 8
 # times full-batch steps of each width once and picks one width per round: it drafts where drafting pays.
 DEFAULT_DRAFT_LEN = "auto"
 
-SETTING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+SETTING_KEYS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 INPUT_KEYS = ("id", "prompt", "messages") + SETTING_KEYS
+OPENAI_KEYS = ("custom_id", "method", "url", "body")
+OPENAI_URLS = {"/v1/chat/completions": True, "/v1/completions": False}  # url -> chat template applied
 
 
 def meta_path(out: Path) -> Path:
@@ -99,6 +114,7 @@ class Request:
     id: str | int
     prompt: str | list  # text or chat messages
     cfg: GenerationConfig
+    url: str | None = None  # an OpenAI Batch API line's endpoint: its output line is OpenAI's too
 
     @property
     def key(self) -> str:
@@ -126,6 +142,8 @@ def parse_line(obj: Any, line: int, settings: JobSettings) -> Request:
     """One input object -> Request, or LineError saying what is wrong with it."""
     if not isinstance(obj, dict):
         raise LineError(f"a line must be a JSON object, got {type(obj).__name__}")
+    if "custom_id" in obj:
+        return parse_openai_line(obj, line, settings)
     unknown = [k for k in obj if k not in INPUT_KEYS]
     if unknown:
         raise LineError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
@@ -147,9 +165,12 @@ def parse_line(obj: Any, line: int, settings: JobSettings) -> Request:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in prompt):
             raise LineError('"messages" must be a non-empty list of {"role": str, "content": str}')
-    mnt = obj.get("max_new_tokens", settings.max_new_tokens)
+    if "max_new_tokens" in obj and "max_tokens" in obj:
+        raise LineError('give one of "max_new_tokens" or "max_tokens" (two names of one setting)')
+    name = "max_tokens" if "max_tokens" in obj else "max_new_tokens"
+    mnt = obj.get(name, settings.max_new_tokens)
     if not _is_int(mnt) or mnt <= 0:
-        raise LineError(f'"max_new_tokens" must be an integer > 0, got {json.dumps(mnt)}')
+        raise LineError(f'"{name}" must be an integer > 0, got {json.dumps(mnt)}')
     for k in ("temperature", "top_p"):
         if k in obj and not _is_number(obj[k]):
             raise LineError(f'"{k}" must be a number, got {json.dumps(obj[k])}')
@@ -174,6 +195,35 @@ def parse_line(obj: Any, line: int, settings: JobSettings) -> Request:
     return Request(line=line, id=rid, prompt=prompt, cfg=cfg)
 
 
+def parse_openai_line(obj: dict, line: int, settings: JobSettings) -> Request:
+    """An OpenAI Batch API line -> Request: its body is checked exactly as the server checks a request."""
+    from specdec.openai_api import ApiError, parse_request
+
+    unknown = [k for k in obj if k not in OPENAI_KEYS]
+    if unknown:
+        raise LineError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in an "
+                        f"OpenAI batch line (allowed: {', '.join(OPENAI_KEYS)})")
+    cid = obj["custom_id"]
+    if not isinstance(cid, str) or not cid:
+        raise LineError(f'"custom_id" must be a non-empty string, got {json.dumps(cid)}')
+    if obj.get("method", "POST") != "POST":
+        raise LineError(f'"method" must be "POST", got {json.dumps(obj.get("method"))}')
+    url = obj.get("url")
+    if url not in OPENAI_URLS:
+        raise LineError(f'"url" must be one of {", ".join(OPENAI_URLS)}, got {json.dumps(url)}')
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise LineError('"body" must be a JSON object (the request\'s body)')
+    if body.get("stream"):
+        raise LineError('"stream" cannot be true in a batch (each answer is written whole)')
+    try:
+        req = parse_request(body, chat=OPENAI_URLS[url])
+    except ApiError as e:
+        raise LineError(f"body: {e.message}") from None
+    cfg = req.config(req.max_tokens or settings.max_new_tokens, settings.draft_len)
+    return Request(line=line, id=cid, prompt=req.prompt, cfg=cfg, url=url)
+
+
 def read_requests(path: Path, settings: JobSettings) -> tuple[list[Request], list[dict]]:
     """All good requests of the input file and an error record for every bad line (duplicates included)."""
     try:
@@ -195,8 +245,9 @@ def read_requests(path: Path, settings: JobSettings) -> tuple[list[Request], lis
                 raise LineError("not valid UTF-8") from None
             except json.JSONDecodeError as e:
                 raise LineError(f"not valid JSON ({e.msg} at column {e.colno})") from None
-            if isinstance(obj, dict) and (isinstance(obj.get("id"), str) or _is_int(obj.get("id"))):
-                rid = obj["id"]
+            key = "custom_id" if isinstance(obj, dict) and "custom_id" in obj else "id"
+            if isinstance(obj, dict) and (isinstance(obj.get(key), str) or _is_int(obj.get(key))):
+                rid = obj[key]
             req = parse_line(obj, n, settings)
             if req.key in seen:
                 raise LineError(f"duplicate id {req.key} (first on line {seen[req.key]})")
@@ -303,6 +354,8 @@ def read_done(out: Path, force: bool) -> tuple[set[str], int]:
             continue
         try:
             rec = json.loads(raw.decode("utf-8"))
+            if isinstance(rec, dict) and "custom_id" in rec and "response" in rec:  # an OpenAI batch output line
+                rec = {"id": rec["custom_id"], "text": None}
             if not isinstance(rec, dict) or "id" not in rec or "text" not in rec:
                 raise ValueError
         except ValueError:
@@ -369,9 +422,18 @@ class Generator:
             if isinstance(g, SpecdecError):
                 yield req, Result(error=str(g))
             else:
-                rec = {"id": req.id, "text": self._text(g), "finish_reason": g.finish_reason,
-                       "stats": g.stats.to_dict()}
+                rec = self._openai_record(req, g) if req.url else {
+                    "id": req.id, "text": self._text(g), "finish_reason": g.finish_reason, "stats": g.stats.to_dict()}
                 yield req, Result(record=rec, tokens=len(g.token_ids))
+
+    def _openai_record(self, req: Request, g) -> dict:
+        from specdec.openai_api import completion_object
+
+        request_id = "batch_req_" + secrets.token_hex(12)
+        body = completion_object(OPENAI_URLS[req.url], g, self._text(g), request_id, int(time.time()),
+                                 self.spec.bundle.resolve().name)
+        return {"id": request_id, "custom_id": req.id,
+                "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 
     def _text(self, g) -> str:
         """The record's text: all of the generated tokens decoded (EOS left out), or the streamed text cut before
@@ -401,7 +463,7 @@ class Generator:
         def encoded() -> Iterator[BatchRequest]:
             for req in pending:
                 try:
-                    ids = engine.encode(req.prompt)
+                    ids = engine.encode(req.prompt, req.cfg.chat)
                 except SpecdecError as e:
                     failed.append((req, e))
                     continue

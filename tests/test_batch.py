@@ -197,7 +197,7 @@ def test_bad_lines_go_to_the_errors_file(tmp_path, tiny_bundle):
         json.dumps({"id": "noprompt"}),
         "",  # blank lines are skipped, not errors
         json.dumps({"id": "ok1", "prompt": "a duplicate"}),
-        json.dumps({"id": "typo", "prompt": "x y", "max_tokens": 5}),
+        json.dumps({"id": "typo", "prompt": "x y", "max_token": 5}),
         json.dumps({"id": "badtemp", "prompt": "x y", "temperature": -1}),
         json.dumps({"id": "toolong", "prompt": "the lazy dog " * 200}),
         json.dumps(["a", "list"]),
@@ -217,7 +217,7 @@ def test_bad_lines_go_to_the_errors_file(tmp_path, tiny_bundle):
     assert 'missing "id"' in by_line[3]["error"]
     assert "prompt" in by_line[4]["error"] and by_line[4]["id"] == "noprompt"
     assert "duplicate id" in by_line[6]["error"] and "line 1" in by_line[6]["error"]
-    assert "max_tokens" in by_line[7]["error"]
+    assert "unknown field 'max_token'" in by_line[7]["error"]
     assert "temperature" in by_line[8]["error"]
     assert "KV buffer" in by_line[9]["error"] and by_line[9]["id"] == "toolong"
     assert "JSON object" in by_line[10]["error"]
@@ -572,3 +572,68 @@ def test_batched_corpus_drafter_needs_a_corpus(tiny_bundle, tmp_path):
     write_input(tmp_path / "in.jsonl", n=2)
     assert_one_error(run_cli("batch", tiny_bundle, tmp_path / "in.jsonl", tmp_path / "out.jsonl", "--batch-size", 2,
                              "--drafter", "corpus"), "no corpus", "specdec corpus")
+
+
+# ------------------------------------------------------------------------------------------- OpenAI Batch API lines
+
+def _openai_line(cid: str, url: str, body: dict) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": url, "body": body}
+
+
+def test_openai_batch_lines_give_openai_output_lines_and_resume(tmp_path, tiny_bundle):
+    """The server's request schema, read from a file: OpenAI Batch API lines in, OpenAI output lines out, the same
+    answers as `specdec generate`; a rerun skips them by custom_id."""
+    import specdec
+    from specdec import GenerationConfig
+
+    texts = prompts(3, seed=5)
+    rows = [_openai_line("chat-0", "/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": texts[0]}], "max_completion_tokens": 12,
+                          "temperature": 0}),
+            _openai_line("text-1", "/v1/completions", {"prompt": texts[1], "max_tokens": 9,
+                                                       "temperature": 0, "model": "ignored"}),
+            {"id": "plain-2", "prompt": texts[2], "max_tokens": 7}]  # a plain line with the server's field name
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    code, stdout, err = run_cli("batch", tiny_bundle, src, out, "--batch-size", 2)
+    assert code == 0, err
+    got = {r.get("custom_id", r["id"]): r for r in records(out)}
+    engine = specdec.load(tiny_bundle, drafter="none")
+    chat = engine.generate(texts[0], GenerationConfig(max_new_tokens=12, draft_len=0))
+    raw = engine.generate(texts[1], GenerationConfig(max_new_tokens=9, draft_len=0, chat=False))
+    plain = engine.generate(texts[2], GenerationConfig(max_new_tokens=7, draft_len=0))
+    line = got["chat-0"]
+    assert line["id"].startswith("batch_req_") and line["error"] is None
+    assert line["response"]["status_code"] == 200
+    body = line["response"]["body"]
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == chat.text
+    assert body["usage"]["completion_tokens"] == len(chat.token_ids) <= 12
+    body = got["text-1"]["response"]["body"]
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == raw.text
+    assert body["usage"]["completion_tokens"] == len(raw.token_ids) <= 9
+    assert got["plain-2"]["text"] == plain.text and len(plain.token_ids) <= 7
+    code, stdout, _ = run_cli("batch", tiny_bundle, src, out, "--batch-size", 2)
+    assert code == 0 and len(records(out)) == 3  # nothing redone
+
+
+@pytest.mark.parametrize("row, needle", [
+    (_openai_line("a", "/v1/embeddings", {"input": "x"}), '"url" must be one of'),
+    (_openai_line("a", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}),
+     "stream"),
+    (_openai_line("a", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}), "'n'"),
+    (_openai_line("a", "/v1/completions", {"prompt": "x", "frobnicate": 1}), "frobnicate"),
+    ({**_openai_line("a", "/v1/completions", {"prompt": "x"}), "extra": 1}, "extra"),
+    (_openai_line("", "/v1/completions", {"prompt": "x"}), "custom_id"),
+    ({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}, "POST"),
+    ({"id": "a", "prompt": "x", "max_tokens": 3, "max_new_tokens": 3}, "one of"),
+])
+def test_bad_openai_batch_lines_go_to_the_errors_file(tmp_path, tiny_bundle, row, needle):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(row) + "\n" + json.dumps({"id": "ok", "prompt": "hello world", "max_tokens": 3}) + "\n")
+    out = tmp_path / "out.jsonl"
+    code, stdout, err = run_cli("batch", tiny_bundle, src, out)
+    assert code == 1
+    errors = records(tmp_path / "out.jsonl.errors.jsonl")
+    assert len(errors) == 1 and needle in errors[0]["error"], errors
+    assert [r["id"] for r in records(out)] == ["ok"]
