@@ -63,7 +63,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 from specdec.errors import SpecdecError
-from specdec.runtime.engine import GenerationConfig, default_drafter
+from specdec.runtime.batched import BATCH_DRAFTERS
+from specdec.runtime.engine import GenerationConfig, batch_default_drafter, default_drafter
+from specdec.runtime.tuned import read_tuned
 from specdec.runtime.manifest import MANIFEST_NAME, read_manifest
 from specdec.runtime.sampling import SamplingConfig
 from specdec.runtime.session import RuntimeOptions
@@ -541,7 +543,12 @@ class BatchJob:
 
     def settings(self) -> JobSettings:
         m = read_manifest(self.bundle, verify_checksums=False)  # checksums are verified when the engine loads
-        return JobSettings(drafter=self.drafter or default_drafter(m),
+        # The drafter the engine will use when none is named: the tuned one (a batched engine only where it batches).
+        if self.drafter is None:
+            tuned = read_tuned(self.bundle, m, self.runtime)
+            drafter = (batch_default_drafter(self.bundle, m, self.runtime, BATCH_DRAFTERS) if self.batch_size > 1
+                       else tuned.drafter if tuned is not None else default_drafter(m))
+        return JobSettings(drafter=self.drafter or drafter,
                            draft_len=m.drafter.draft_len if self.draft_len is None else self.draft_len,
                            max_new_tokens=self.max_new_tokens, max_len=self.max_len or m.default_max_len)
 

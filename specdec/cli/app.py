@@ -14,7 +14,7 @@ from specdec.cli.common import fail
 
 # The modules whose COMMANDS make up `specdec`; `specdec --help` lists the commands alphabetically.
 COMMAND_MODULES = ("specdec.cli.export", "specdec.cli.drafters", "specdec.cli.run", "specdec.cli.quant", "specdec.cli.device",
-                   "specdec.cli.serve")
+                   "specdec.cli.serve", "specdec.cli.tune")
 
 
 class _OneLineErrorGroup(click.Group):

@@ -58,8 +58,8 @@ from specdec.runtime.manifest import ARGMAX_ROWS, ATTENTION_BIAS, LOGITS_ROWS
 from specdec.runtime.drafters.draft_model import CONFIDENCE_STOP, draft_confidence
 from specdec.runtime.drafters.corpus import CorpusDrafter
 from specdec.runtime.drafters.ngram import NgramDrafter
-from specdec.runtime.engine import (AUTO_K_MAX, Engine, Generation, GenerationConfig, OutputText, corpus_drafter,
-                                   default_drafter)
+from specdec.runtime.engine import (AUTO_K_MAX, Engine, Generation, GenerationConfig, OutputText,
+                                   batch_default_drafter, corpus_drafter)
 from specdec.runtime.kv import KVCache
 from specdec.runtime.manifest import Manifest, read_manifest
 from specdec.runtime.sampling import probs_from_logits, sample, select_token
@@ -327,7 +327,7 @@ class BatchedEngine:
         self.batch_size = batch_size
         self.codec = TextCodec(self.path / m.tokenizer.file, m.tokenizer.chat_template, m.tokenizer.bos_token_id,
                                m.tokenizer.eos_token_ids)
-        self.drafter_kind = drafter or default_drafter(m)
+        self.drafter_kind = drafter or batch_default_drafter(self.path, m, self.runtime, BATCH_DRAFTERS)
         if self.drafter_kind not in BATCH_DRAFTERS:
             raise SpecdecError(f"drafter {self.drafter_kind!r} is not supported with batch size > 1",
                                f"choose {', '.join(BATCH_DRAFTERS)}, or batch size 1")

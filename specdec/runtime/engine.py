@@ -33,6 +33,7 @@ from specdec.runtime.session import RuntimeOptions, provider_list
 from specdec.runtime.speculative import SpecStats, speculate
 from specdec.runtime.step_costs import StepCostCache, cost_key
 from specdec.runtime.split import ExitHead, SplitTarget
+from specdec.runtime.tuned import read_tuned
 from specdec.runtime.tokenizer import StreamDecoder, TextCodec
 
 # Longest draft the adaptive policy considers: with acceptance 0.8, an 9th draft token adds
@@ -143,6 +144,11 @@ class Engine:
         m = self.manifest
         if not 0 < self.max_len <= m.model.max_position:
             raise SpecdecError(f"--max-len {self.max_len} is outside 1..{m.model.max_position} (the model's positions)")
+        # Not told a drafter: what `specdec tune` found fastest on this machine, else the bundle's own.
+        self.tuned = read_tuned(self.path, m, self.runtime) if drafter is None else None
+        if self.tuned is not None:
+            drafter = self.tuned.drafter
+        self.default_draft_len = self.tuned.draft_len if self.tuned is not None else m.drafter.draft_len
         if self.runtime.provider == "cpu":  # the KV and prepacked weights live in host memory
             loaded = ["exit", "tail"] if m.split_target else ["target"]
             if (drafter or default_drafter(m)) in ("model", "hybrid"):
@@ -154,7 +160,13 @@ class Engine:
         self._drafters: dict[str, Drafter | None] = {}
         self._eagle_head: EagleHead | None = None  # one head graph and cache for every EAGLE drafter
         self._medusa_heads: ExitHead | None = None
-        self.use_drafter(drafter or default_drafter(m))
+        try:
+            self.use_drafter(drafter or default_drafter(m))
+        except SpecdecError:
+            if self.tuned is None:
+                raise
+            self.tuned, self.default_draft_len = None, m.drafter.draft_len  # a record this bundle can no longer run
+            self.use_drafter(default_drafter(m))
         self.cached_ids: list[int] = []  # what the target's KV holds, for prefix reuse across calls
         self.last_stats = SpecStats()
 
@@ -262,7 +274,7 @@ class Engine:
 
     def _draft_len_policy(self, draft_len: int | str | None) -> DraftLenPolicy | None:
         if draft_len is None:
-            draft_len = self.manifest.drafter.draft_len
+            draft_len = self.default_draft_len
         policy = choose_policy(draft_len, self.drafter is not None, self._cached_costs)
         if isinstance(policy, AdaptiveDraftLen):
             # A lookup drafts in microseconds against a forward's milliseconds; a model at its measured step.
@@ -423,6 +435,12 @@ def default_drafter(m: Manifest) -> str:
     """The drafter a bundle decodes with unless told otherwise: its own, except that a lookup bundle with a corpus
     of the target's answers drafts from it where prompt lookup finds nothing."""
     return "corpus" if m.drafter.kind == "ngram" and m.drafter.corpus else m.drafter.kind
+
+
+def batch_default_drafter(path: Path, m: Manifest, runtime: RuntimeOptions, batchable: tuple[str, ...]) -> str:
+    """The drafter a batched engine uses unless told: the tuned one where it can batch, else the bundle's."""
+    tuned = read_tuned(path, m, runtime)
+    return tuned.drafter if tuned is not None and tuned.drafter in batchable else default_drafter(m)
 
 
 def corpus_drafter(path: Path, m: Manifest, reliability: dict | None = None) -> CorpusDrafter:
