@@ -148,3 +148,17 @@ def test_best_draft_len_arithmetic():
     assert best_draft_len(0.0, 0.5) == (0, 1.0)  # nothing accepted: do not draft
     k, s = best_draft_len(0.9, 0.05)  # cheap and good: draft long
     assert k >= 5 and s > 2.0
+
+
+def test_sampled_layerskip_is_lossless_through_the_engine(bundles):
+    """The exit's sampled drafts verified by the tail keep the full target's exact law (the check is the one of
+    tests/test_sampled_lossless.py; the law is read from the plain bundle of the same checkpoint)."""
+    from sampled_checks import assert_lossless, check_engine
+    from specdec.verify_stats import TargetLaw
+
+    sampling = SamplingConfig(temperature=0.7)
+    law = TargetLaw(Engine(bundles / "plain", drafter="none").target, sampling)
+    e = Engine(bundles / "ls", drafter="layerskip")
+    prompt = e.encode(PROMPTS[0], chat=False)
+    assert_lossless(*check_engine(e, law, prompt, GenerationConfig(max_new_tokens=3, draft_len=2, sampling=sampling,
+                                                                     chat=False), 600))

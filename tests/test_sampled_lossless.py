@@ -26,7 +26,7 @@ from specdec.verify_stats import TargetLaw
 from sampled_checks import (MUTANT_P, PASS_P, ModeDrafter, accept_every_draft, assert_lossless,
                             bonus_from_the_last_draft_row, check_batch, check_engine, correction_from_the_target)
 
-N = 1000  # answers per check: ~2 s through the tiny engine
+N = 800  # answers per check: ~2 s through the tiny engine
 COLD = SamplingConfig(temperature=0.3)  # the target's top token ~1/3 of the mass: drafts of it often fail
 TOP_K = SamplingConfig(temperature=0.5, top_k=5)
 WARM_TOP_P = SamplingConfig(temperature=0.8, top_p=0.8)
