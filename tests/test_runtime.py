@@ -135,9 +135,11 @@ def test_empty_prompt(engines):
 @pytest.mark.parametrize("bad", [
     lambda: SamplingConfig(temperature=-1), lambda: SamplingConfig(top_p=0.0), lambda: SamplingConfig(top_p=1.5),
     lambda: SamplingConfig(temperature=float("inf")), lambda: SamplingConfig(temperature=float("nan")),
+    lambda: SamplingConfig(top_k=-1), lambda: SamplingConfig(top_k=2.5), lambda: SamplingConfig(top_k=True),
+    lambda: SamplingConfig(temperature="hot"), lambda: SamplingConfig(top_p=None),
 ])
 def test_bad_sampling_settings(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="temperature|top_k|top_p"):
         bad()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 import specdec
@@ -167,3 +168,24 @@ def test_the_check_passes_plain_sampling_and_fails_a_wrong_temperature(tiny_bund
     assert answers.drafted == 0 and check.pvalue > PASS_P, str(check)
     check, _ = check_engine(engine, wrong, prompts[0], cfg(COLD, 0), N)
     assert check.pvalue < MUTANT_P, str(check)
+
+
+@pytest.mark.parametrize("malform", [lambda rows: rows * 0.5, lambda rows: rows - 0.01, lambda rows: rows[:, :-1]],
+                         ids=["unnormalised", "negative", "short-rows"])
+def test_a_drafter_giving_a_malformed_p_draft_is_one_clear_error(tiny_bundle, plain, prompts, malform):
+    from specdec.errors import SpecdecError
+    from specdec.runtime.drafters.base import Draft
+
+    law = TargetLaw(plain.target, COLD)
+
+    class Malformed(ModeDrafter):
+        def propose(self, context, k):
+            draft = super().propose(context, k)
+            rows = np.stack([law(list(context) + list(draft.tokens[:i])) for i in range(k)])  # [k, vocab]
+            return Draft(tokens=draft.tokens, p_draft=malform(rows))
+
+    engine = specdec.load(tiny_bundle, drafter="none")
+    engine._drafters["malformed"] = Malformed(law)
+    engine.use_drafter("malformed")
+    with pytest.raises(SpecdecError, match="the drafter's p_draft"):
+        list(engine.stream_ids(prompts[0], cfg(COLD, 2)))
