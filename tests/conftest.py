@@ -1,9 +1,17 @@
 """Tiny random-weight models built inside the tests: seconds, not minutes."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Hypothesis: under CI the same examples every run (a red build is reproducible, never a lucky draw); locally
+# fresh examples each run, to keep finding new ones. Per-test @settings override only what they name.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("dev")
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

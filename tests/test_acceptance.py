@@ -528,3 +528,35 @@ def test_greedy_rules_on_the_target_choices_match_the_rules_on_logits():
     assert greedy_accept_choices(np.array([4, 2]), np.array([4, 3, 9])) == (1, 3)  # correction 3
     with pytest.raises(ValueError, match="3 positions"):
         greedy_accept_choices(np.array([4, 2]), np.array([4, 2]))
+
+
+# ---- malformed drafter output: one clear error, never a silently biased rule
+
+
+@pytest.mark.parametrize("p_draft, message", [
+    (np.full((1, 4), 0.25), "shape"),  # one row for two drafts
+    (np.full((2, 3), 1 / 3), "shape"),  # another vocabulary
+    (np.array([[0.5, 0.6, -0.1, 0.0]] * 2), "smallest entry -0.1"),
+    (np.array([[0.4, 0.4, 0.1, 0.0]] * 2), "row sums 0.9"),
+    (np.array([[1.0, 2.0, 0.5, 0.0]] * 2), "row sums 3.5"),  # logits, not probabilities
+    (np.array([[np.nan, 0.5, 0.5, 0.0]] * 2), "not distributions"),
+])
+def test_a_malformed_p_draft_is_one_clear_error(p_draft, message):
+    from specdec.errors import SpecdecError
+    from specdec.runtime.acceptance import tree_speculative_accept
+
+    p_target = np.full((3, 4), 0.25)
+    with pytest.raises(SpecdecError, match=message):
+        speculative_accept(np.array([0, 1]), p_draft, p_target, np.random.default_rng(0))
+    with pytest.raises(SpecdecError, match=message):
+        tree_speculative_accept(np.array([0, 1]), np.array([-1, -1]), p_draft, p_target, np.random.default_rng(0))
+
+
+def test_float32_rows_of_a_large_vocabulary_pass_the_p_draft_check():
+    from specdec.runtime.acceptance import check_p_draft
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 150_000)) * 3
+    rows = (np.exp(logits - logits.max(axis=1, keepdims=True)))
+    rows = (rows / rows.sum(axis=1, keepdims=True)).astype(np.float32)  # [4, vocab]
+    assert check_p_draft(rows, 4, 150_000) is rows

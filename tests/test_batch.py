@@ -180,8 +180,9 @@ def test_killed_subprocess_resumes_without_loss_or_duplicates(tmp_path, tiny_bun
             break
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL, "the job ended before the kill: nothing was tested"
     n_before = len(records(out)) if out.exists() else 0
+    assert 3 <= n_before < 40, f"the kill must land mid-job, after {n_before} records"
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     got = by_id(out)

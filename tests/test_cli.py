@@ -283,8 +283,9 @@ def test_generate_json(tiny_bundle):
     assert code == 0, err
     g = json.loads(out)
     assert set(g) >= {"text", "finish_reason", "stats"}
-    assert g["finish_reason"] in ("length", "eos")
-    assert 0 < g["stats"]["new_tokens"] <= 8 and "tau" in g["stats"]
+    # The tiny model's answer to this prompt has no EOS in its first 8 tokens: the budget ends it.
+    assert g["finish_reason"] == "length"
+    assert g["stats"]["new_tokens"] == 8 and "tau" in g["stats"]
 
 
 def test_generate_reads_stdin_and_takes_a_system_prompt(tiny_bundle):

@@ -87,7 +87,10 @@ def test_greedy_eagle_output_is_plain_greedy(eagle_bundle, drafter, k):
         plain = eng.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=0))
         spec = eng.generate(prompt, GenerationConfig(max_new_tokens=48, draft_len=k))
         assert spec.token_ids == plain.token_ids
-        assert spec.stats.target_forwards <= plain.stats.target_forwards
+        if spec.stats.accepted:  # each accepted draft is a token that needed no pass of its own
+            assert spec.stats.target_forwards < plain.stats.target_forwards
+        else:
+            assert spec.stats.target_forwards == plain.stats.target_forwards
 
 
 def test_eagle_reuses_a_shared_prefix_and_stays_exact(eagle_bundle):
@@ -541,3 +544,40 @@ def test_eagle_confidences_are_calibrated_on_what_the_target_keeps(eagle_bundle)
     for confidence, calibrated in seen:
         assert confidence == pytest.approx(min(calibrated, 1.0))
 
+
+
+# ---- sampled trees through the engine: the target's exact law (tests/test_sampled_lossless.py explains the check)
+
+TREE_ANSWERS = 600
+
+
+@pytest.mark.parametrize("drafter, sampling", [
+    ("eagle-tree", SamplingConfig(temperature=0.5)),
+    ("eagle-tree", SamplingConfig(temperature=0.8, top_k=8)),
+    ("hybrid-tree", SamplingConfig(temperature=0.5, top_p=0.9)),
+])
+def test_sampled_trees_are_lossless_through_the_engine(eagle_bundle, drafter, sampling):
+    from sampled_checks import assert_lossless, check_engine
+    from specdec.verify_stats import TargetLaw
+
+    law = TargetLaw(specdec.load(eagle_bundle, drafter="none").target, sampling)
+    eng = specdec.load(eagle_bundle, drafter=drafter)
+    drafts = _spy(eng)
+    prompt = eng.encode(REPEATING[0], chat=False)
+    cfg = GenerationConfig(max_new_tokens=3, draft_len=2, sampling=sampling, chat=False)
+    assert_lossless(*check_engine(eng, law, prompt, cfg, TREE_ANSWERS))
+    assert any(d.parents is not None and (d.parents == -1).sum() > 1 for d in drafts)  # siblings were verified
+
+
+def test_a_tree_verifier_accepting_its_first_branch_whole_fails_the_check(eagle_bundle, monkeypatch):
+    from sampled_checks import MUTANT_P, check_engine, first_branch_whole
+    from specdec.runtime import speculative
+    from specdec.verify_stats import TargetLaw
+
+    sampling = SamplingConfig(temperature=0.5)
+    law = TargetLaw(specdec.load(eagle_bundle, drafter="none").target, sampling)
+    eng = specdec.load(eagle_bundle, drafter="eagle-tree")
+    monkeypatch.setattr(speculative, "tree_speculative_accept", first_branch_whole)
+    cfg = GenerationConfig(max_new_tokens=3, draft_len=2, sampling=sampling, chat=False)
+    check, _ = check_engine(eng, law, eng.encode(REPEATING[0], chat=False), cfg, TREE_ANSWERS)
+    assert check.pvalue < MUTANT_P, str(check)

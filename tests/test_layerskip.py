@@ -120,9 +120,16 @@ def test_quantizing_a_layerskip_bundle_quantizes_its_split_alike(bundles, tmp_pa
     (tests/test_drafter_precisions.py checks sharing and lossless drafting at every precision)."""
     from specdec.quant.bundle import quantize_bundle
 
-    m = json.loads((quantize_bundle(bundles / "ls", tmp_path / "q", "int4") / "specdec.json").read_text())
+    q = quantize_bundle(bundles / "ls", tmp_path / "q", "int4")
+    m = json.loads((q / "specdec.json").read_text())
     assert {m["graphs"][g]["precision"] for g in ("target", "exit", "tail")} == {"int4"}
-    assert m["graphs"]["tail"]["checks"]["max_abs_logit_diff_vs_target_graph"] < 1e-2
+    # The split's logits against the quantized target graph's own, run here (not the figure the quantizer wrote).
+    split = Engine(q, drafter="none")
+    whole = split._decoder("target")
+    ids = np.random.default_rng(1).integers(4, 300, size=(1, 30))
+    got = split.target.prefill(ids).copy()  # [1, vocab]
+    want = whole.prefill(ids)  # [1, vocab]
+    assert np.abs(got - want).max() < 1e-2
 
 
 def test_adapter_learns_a_transform_of_the_residual_stream():
@@ -148,3 +155,17 @@ def test_best_draft_len_arithmetic():
     assert best_draft_len(0.0, 0.5) == (0, 1.0)  # nothing accepted: do not draft
     k, s = best_draft_len(0.9, 0.05)  # cheap and good: draft long
     assert k >= 5 and s > 2.0
+
+
+def test_sampled_layerskip_is_lossless_through_the_engine(bundles):
+    """The exit's sampled drafts verified by the tail keep the full target's exact law (the check is the one of
+    tests/test_sampled_lossless.py; the law is read from the plain bundle of the same checkpoint)."""
+    from sampled_checks import assert_lossless, check_engine
+    from specdec.verify_stats import TargetLaw
+
+    sampling = SamplingConfig(temperature=0.7)
+    law = TargetLaw(Engine(bundles / "plain", drafter="none").target, sampling)
+    e = Engine(bundles / "ls", drafter="layerskip")
+    prompt = e.encode(PROMPTS[0], chat=False)
+    assert_lossless(*check_engine(e, law, prompt, GenerationConfig(max_new_tokens=3, draft_len=2, sampling=sampling,
+                                                                     chat=False), 600))

@@ -105,3 +105,16 @@ def test_cli_trains_and_exports_medusa_heads(tiny_checkpoint, tiny_distill_data,
     r = CliRunner().invoke(main, ["export", str(tiny_checkpoint), "-o", str(tmp_path / "b"), "--drafter", "medusa",
                                   "--max-len", "256"])
     assert r.exit_code != 0 and "ships no Medusa heads" in r.stderr and "Traceback" not in r.output
+
+
+def test_sampled_medusa_tree_is_lossless_through_the_engine(bundle):
+    """The target's exact law after a sampled medusa-tree round (tests/test_sampled_lossless.py explains the check)."""
+    from sampled_checks import assert_lossless, check_engine
+    from specdec.verify_stats import TargetLaw
+
+    sampling = SamplingConfig(temperature=0.6, top_p=0.95)
+    law = TargetLaw(specdec.load(bundle, drafter="none").target, sampling)
+    eng = specdec.load(bundle, drafter="medusa-tree")
+    prompt = eng.encode("the quick brown fox", chat=False)
+    cfg = GenerationConfig(max_new_tokens=3, draft_len=2, sampling=sampling, chat=False)
+    assert_lossless(*check_engine(eng, law, prompt, cfg, 600))

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from specdec.errors import SpecdecError
 from specdec.runtime.sampling import sample
+
+# How far a p_draft row's sum may stray from 1: float32 rows of any vocabulary land within ~1e-6 of it, while a
+# drafter that forgot to normalise (or reports logits, or a softmax over another temperature) is far off.
+P_DRAFT_SUM_TOLERANCE = 1e-4
 
 
 def greedy_accept(draft_tokens: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
@@ -66,9 +71,7 @@ def speculative_accept(
     p_target = np.asarray(p_target)  # [k+1, vocab] not widened: only the values used below are
     _check_rows(p_target, k)
     if p_draft is not None:
-        p_draft = np.asarray(p_draft)  # [k, vocab]
-        if p_draft.shape != (k, p_target.shape[1]):
-            raise ValueError(f"p_draft has shape {p_draft.shape}, expected {(k, p_target.shape[1])}")
+        p_draft = check_p_draft(p_draft, k, p_target.shape[1])  # [k, vocab]
 
     rows = np.arange(k)
     p_target_x = p_target[rows, draft_tokens]  # [k] target's mass on each draft
@@ -154,8 +157,8 @@ def tree_speculative_accept(
     p_target = np.asarray(p_target)  # [n+1, vocab]
     _check_rows(p_target, n)
     check_tree(parents)
-    if p_draft is not None and np.shape(p_draft) != (n, p_target.shape[1]):
-        raise ValueError(f"p_draft has shape {np.shape(p_draft)}, expected {(n, p_target.shape[1])}")
+    if p_draft is not None:
+        p_draft = check_p_draft(p_draft, n, p_target.shape[1])  # [n, vocab]
     path: list[int] = []
     row = 0
     while True:
@@ -176,6 +179,25 @@ def tree_speculative_accept(
             p = residual(p, q)
         else:
             return path, sample(p, rng)
+
+
+def check_p_draft(p_draft: np.ndarray, n: int, vocab: int) -> np.ndarray:
+    """A drafter's p_draft as the acceptance rule needs it: [n, vocab], each row a distribution. Anything else
+    would not fail loudly but bias every accepted token (a ratio against a wrong law), so it is refused here.
+    Costs one pass over the rows, small beside the verification forward that produced p_target."""
+    p_draft = np.asarray(p_draft)
+    if p_draft.shape != (n, vocab):
+        raise SpecdecError(f"the drafter's p_draft has shape {p_draft.shape}, expected {(n, vocab)}: one row per "
+                           "draft token over the target's vocabulary")
+    if n:
+        lowest = p_draft.min()
+        sums = p_draft.sum(axis=1)  # [n] pairwise summation: float32 rows stay within ~1e-6 of their sum
+        worst = float(np.abs(sums - 1.0).max())
+        if not (lowest >= 0.0 and worst <= P_DRAFT_SUM_TOLERANCE):  # written so that NaN fails too
+            raise SpecdecError(f"the drafter's p_draft rows are not distributions (smallest entry {lowest:.3g}, "
+                               f"row sums {sums.min():.6g}..{sums.max():.6g})",
+                               "each row must be the law its token was drawn from: entries >= 0 summing to 1")
+    return p_draft
 
 
 def check_tree(parents: np.ndarray) -> None:

@@ -15,6 +15,13 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        # Types first: a float top_k or a string temperature would otherwise fail deep inside a decode step.
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not 0.0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
