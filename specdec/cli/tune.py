@@ -68,4 +68,81 @@ def tune(bundle, prompts_path, minutes, new_tokens, sampled, dry_run, device, th
         click.echo(f"wrote {out}" + (f" and {png}" if plot(result, png) else " (no plot: matplotlib missing)"))
 
 
-COMMANDS = [tune]
+@click.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--drafters", default="all", show_default=True,
+              help="Drafters to check: all (every one the bundle can run) or a comma-separated list.")
+@click.option("--prompts", "n_prompts", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Prompts (specdec's own) for the greedy identity check.")
+@click.option("--new-tokens", default=64, show_default=True, type=click.IntRange(min=4),
+              help="New tokens per greedy answer.")
+@click.option("--samples", default=600, show_default=True, type=click.IntRange(min=0),
+              help="Seeded answers per drafter for the sampled check (0 skips it).")
+@click.option("--temperature", default=0.6, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Sampling temperature of the sampled check (a flatter law needs more --samples).")
+@click.option("--device", default=None, metavar="PROFILE", help="Device profile (`specdec devices`).")
+@click.option("--threads", default=0, show_default=True, help="Intra-op threads (0 = all cores).")
+@click.option("--max-len", type=int, default=None, help="KV buffer length (default: the bundle's).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the report as JSON.")
+@friendly
+def verify(bundle, drafters, n_prompts, new_tokens, samples, temperature, device, threads, max_len, json_path):
+    """Check on this device that BUNDLE's speculation is lossless; exit 1 on any failure."""
+    import time
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from specdec.errors import SpecdecError
+    from specdec.runtime.engine import Engine, GenerationConfig
+    from specdec.runtime.sampling import SamplingConfig
+    from specdec.tune import default_prompts
+    from specdec.verify import (default_widths, greedy_identity, runnable_drafters, sampled_lossless,
+                                t_invariance)
+
+    t0 = time.perf_counter()
+    runtime, max_len, _ = device_runtime(device, bundle, None, max_len, threads, drafter="model")
+    engine = Engine(bundle, max_len=max_len, runtime=runtime, drafter="none")
+    can = runnable_drafters(engine)
+    if drafters == "all":
+        chosen = can
+    else:
+        chosen = [d.strip() for d in drafters.split(",") if d.strip()]
+        cannot = [d for d in chosen if d not in can]
+        if cannot:
+            raise SpecdecError(f"bundle {bundle} cannot run drafter{'s' if len(cannot) > 1 else ''} "
+                               f"{', '.join(cannot)}", f"it can run: {', '.join(can) or 'none'}")
+    prompts = default_prompts(n_prompts, seed=1)
+    echo = lambda line: click.echo(line, err=True)  # noqa: E731
+    echo(f"- greedy identity: {len(chosen)} drafters x {n_prompts} prompts x {new_tokens} tokens")
+    checks = greedy_identity(engine, chosen, prompts, new_tokens)
+    engine.use_drafter("none")
+    engine.reset()
+    context = engine.encode(prompts[0])
+    context += [t for chunk in engine.stream_ids(context, GenerationConfig(max_new_tokens=24, draft_len=0))
+                for t in chunk]
+    echo(f"- T-invariance: step widths {default_widths()[0]}..{default_widths()[-1]}")
+    checks += t_invariance(engine, context[: engine.max_len - 1], default_widths())
+    if samples:
+        echo(f"- sampled: {samples} seeded answers per drafter at temperature {temperature:g} against the target's "
+             "exact law")
+        checks += sampled_lossless(engine, chosen, samples, SamplingConfig(temperature=temperature))
+    table = Table(title=f"specdec verify {bundle} ({runtime.provider}, {time.perf_counter() - t0:.0f} s)")
+    for col in ("check", "subject", "result", "detail"):
+        table.add_column(col)
+    for c in checks:
+        table.add_row(c.kind, c.subject, "pass" if c.passed else "FAIL", c.detail)
+    Console().print(table)
+    failed = [c for c in checks if not c.passed]
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"bundle": str(bundle), "provider": runtime.provider,
+                                         "seconds": round(time.perf_counter() - t0, 1), "passed": not failed,
+                                         "checks": [c.to_dict() for c in checks]}, indent=1))
+    if failed:
+        click.echo(f"error: {len(failed)} check{'s' if len(failed) > 1 else ''} failed: "
+                   + "; ".join(f"{c.kind} {c.subject}" for c in failed), err=True)
+        sys.exit(1)
+    click.echo(f"all {len(checks)} checks passed")
+
+
+COMMANDS = [tune, verify]
