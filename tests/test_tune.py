@@ -162,3 +162,18 @@ def test_tune_command_bad_input_is_one_line(own_bundle, tmp_path):
     assert r.exit_code != 0 and r.output.strip().startswith("error:") and "no usable prompt" in r.output
     r = CliRunner().invoke(main, ["tune", str(tmp_path / "nope")])
     assert r.exit_code != 0 and r.output.strip().startswith("error:")
+
+
+def test_bench_runs_the_tuned_choice_by_name(own_bundle, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["the quick brown fox"]}) + "\n")
+    runner = CliRunner()
+    args = ["--questions", str(questions), "--limit", "1", "--max-new-tokens", "8"]
+    r = runner.invoke(main, ["bench", str(own_bundle), *args, "--configs", "tuned"])
+    assert r.exit_code == 0 and "no `specdec tune` record" in r.output
+    engine = Engine(own_bundle)
+    write_tuned(own_bundle, engine.manifest, engine.runtime,
+                TunedChoice(drafter="ngram", draft_len=3, tok_s=1.0, speedup=1.2, prompts=4, sampled=False))
+    r = runner.invoke(main, ["bench", str(own_bundle), *args, "--configs", "ngram:3,tuned"])
+    assert r.exit_code == 0, r.output
+    assert r.output.count("ngram:3") == 1  # the tuned choice is the same config: run once

@@ -122,9 +122,9 @@ def chat(bundle, max_new_tokens, temperature, top_k, top_p, seed, draft_len, dra
 @click.option("--questions", type=click.Path(path_type=Path), default=None,
               help="Spec-Bench questions JSONL (default: the copy shipped with specdec).")
 @click.option("--limit", type=click.IntRange(min=0), default=2, show_default=True, help="Questions per category (0 = all).")
-@click.option("--configs", default="ngram:4,corpus:auto,model:4", show_default=True,
-              help="Comma-separated DRAFTER:K runs beside plain decoding (K an integer or auto); those the bundle "
-                   "cannot run are skipped with a note.")
+@click.option("--configs", default="ngram:4,corpus:auto,model:4,tuned", show_default=True,
+              help="Comma-separated DRAFTER:K runs beside plain decoding (K an integer or auto); `tuned` is what "
+                   "`specdec tune` recorded for this machine. Those the bundle cannot run are skipped with a note.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--max-len", type=int, default=None, help="KV buffer length in tokens.")
 @click.option("--device", default=None, metavar="PROFILE", help="Device profile (`specdec devices`): provider and KV length.")
@@ -143,6 +143,7 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, th
     from rich.progress import Progress
 
     from specdec.benchmark import BenchConfig, plot, render_table, run_bench, runnable_configs
+    from specdec.runtime.tuned import read_tuned
     from specdec.runtime.sampling import SamplingConfig
 
     sampling = build_config(SamplingConfig, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -150,7 +151,14 @@ def bench(bundle, questions, limit, configs, max_new_tokens, max_len, device, th
     prompts = questions_as_prompts(questions, limit)
     runtime, max_len, _ = device_runtime(device, bundle, None, max_len, threads, drafter="model")
     engine = specdec.load(bundle, max_len=max_len, runtime=runtime)
-    wanted = [BenchConfig.parse(c.strip()) for c in configs.split(",") if c.strip()]
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    if "tuned" in names:  # the tuned choice under its own name, once
+        tuned = engine.tuned or read_tuned(engine.path, engine.manifest, engine.runtime)
+        if tuned is None:
+            click.echo("note: no `specdec tune` record for this machine; skipping tuned", err=True)
+        names = [(f"{tuned.drafter}:{tuned.draft_len}" if tuned.drafter != "none" else "plain") if n == "tuned"
+                 else n for n in names if n != "tuned" or tuned is not None]
+    wanted = list(dict.fromkeys(BenchConfig.parse(n) for n in names))
     wanted, skipped = runnable_configs(engine.manifest.drafter, wanted)
     if skipped:
         kind = engine.manifest.drafter.kind
