@@ -40,10 +40,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(bundle: Path, max_batch: int, draft_len: str, max_len: int | None) -> tuple[subprocess.Popen, str]:
+def start_server(bundle: Path, max_batch: int, draft_len: str, max_len: int | None,
+                 drafter: str | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "specdec.cli", "serve", str(bundle), "--port", str(port), "--max-batch",
-           str(max_batch), "--draft-len", draft_len, *(["--max-len", str(max_len)] if max_len else [])]
+           str(max_batch), "--draft-len", draft_len, *(["--max-len", str(max_len)] if max_len else []),
+           *(["--drafter", drafter] if drafter else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -133,6 +135,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--drafter", default=None, help="The speculative server's drafter (default: the bundle's).")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if not (args.bundle / "specdec.json").is_file():
@@ -141,8 +144,8 @@ def main() -> int:
     levels = [int(c) for c in args.clients.split(",")]
     questions = [p.messages for p in load_spec_bench(QUESTIONS)]
     servers = {"plain": start_server(args.bundle, args.max_batch, "0", args.max_len),
-               "speculative": start_server(args.bundle, args.max_batch, "auto", args.max_len)}
-    out: dict = {"bundle": str(args.bundle), "max_batch": args.max_batch, "max_tokens": args.max_tokens,
+               "speculative": start_server(args.bundle, args.max_batch, "auto", args.max_len, args.drafter)}
+    out: dict = {"bundle": str(args.bundle), "drafter": args.drafter or "the bundle's", "max_batch": args.max_batch, "max_tokens": args.max_tokens,
                  "requests_per_level": args.requests, "cpu_count": os.cpu_count(), "levels": []}
     try:
         for i, clients in enumerate(levels):
