@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 
 import specdec
-from specdec.export.bundle import bundle_files
+from specdec.export.writer import bundle_files
 from specdec.export.exact_argmax import strip_exact_argmax
 from specdec.export.graph import save_graph
 from specdec.runtime.manifest import ARGMAX_ROWS, MANIFEST_NAME, read_manifest

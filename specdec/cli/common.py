@@ -57,8 +57,8 @@ def parse_draft_len(ctx, param, value):
 
 
 # onnxruntime has no fast CPU kernel for 8-bit weights with fp32 activations (MatMulNBits dequantizes them every
-# step): a 1-token step of the default model took 388 ms against 33 ms in fp32 on an AVX2 host, 202-267
-# ms against 21 ms on AVX-512 hosts (bench/results/quant/). Said where such a bundle is written, not found later.
+# step): a 1-token step of the default model took 424 ms against 19 ms in fp32 (bench/results/quant/int8.json).
+# Said where such a bundle is written, not found later.
 INT8_WEIGHT_ONLY_NOTE = ("note: int8 weights with fp32 activations have no fast CPU kernel in onnxruntime (a step "
                          "runs ~10x slower than fp32 on a CPU); for a CPU, use --fast-kernels (int8 activations, "
                          "lossless under speculation), or keep this bundle for a GPU")
