@@ -108,12 +108,14 @@ def test_bundle_corpus_decodes_identically_to_plain(tiny_bundle, tiny_distill_da
     assert "corpus of" in r.output
     engine = specdec.load(bundle, drafter="corpus")
     prompts = ["hello world", "the cat sat on the mat and the cat"]
+    drafted_fixed = 0  # "auto" may rightly decide not to draft on a loaded machine: count fixed lengths only
     for prompt in prompts:
         for k in (1, 3, 6, "auto"):
             plain = engine.generate(prompt, specdec.GenerationConfig(max_new_tokens=24, draft_len=0)).token_ids
             spec = engine.generate(prompt, specdec.GenerationConfig(max_new_tokens=24, draft_len=k))
             assert spec.token_ids == plain
-    assert spec.stats.drafted > 0  # the corpus did propose
+            drafted_fixed += spec.stats.drafted if k != "auto" else 0
+    assert drafted_fixed > 0  # the corpus did propose
     n_first = len(engine.drafter.corpus)
     r = CliRunner().invoke(main, ["corpus", str(bundle), "--data", str(tiny_distill_data), "--keep"])
     assert r.exit_code == 0, r.output
