@@ -588,4 +588,5 @@ def test_sampled_corpus_rows_keep_the_targets_exact_law(corpus_bundle):
 
     # Two of the prompts the corpus answers (conftest's tiny_distill_data): its lookups find their continuations.
     ids = [eng.encode(messages) for messages in plan_prompts(DistillDataConfig(n_prompts=24, seed=0), [], set())[:2]]
-    assert_lossless(*check_batch(eng, law, ids, GenerationConfig(max_new_tokens=3, draft_len=2, sampling=sampling), 800))
+    cfg = GenerationConfig(max_new_tokens=3, draft_len=2, sampling=sampling)
+    assert_lossless(*check_batch(eng, law, ids, cfg, 800))
