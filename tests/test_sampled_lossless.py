@@ -39,7 +39,7 @@ WARM_TOP_P = SamplingConfig(temperature=0.8, top_p=0.8)
 @pytest.fixture(scope="module")
 def cousin_bundle(tiny_checkpoint, tmp_path_factory):
     """The tiny target with, as its draft model, a copy whose weights carry 10% noise: a sampling drafter that
-    agrees with the target on roughly half its tokens."""
+    gets a third to a half of its tokens accepted."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,6 +71,8 @@ def prompts(plain):
 
 
 def mode_engine(bundle, law: TargetLaw) -> specdec.Engine:
+    """An Engine drafting with ModeDrafter, registered as use_drafter's kinds are, so the engine's own chain path
+    (speculative.verify_chain) verifies its drafts."""
     engine = specdec.load(bundle, drafter="none")
     engine._drafters["mode"] = ModeDrafter(law)
     engine.use_drafter("mode")
