@@ -8,7 +8,8 @@ each answer, and compares their counts with the exact counts that law predicts, 
 The first token of an answer comes from the prompt's prefill, before any draft is verified; it is taken as given
 (its observed counts fix how many answers continue from each of its values) and the tokens after it are tested.
 Cells are the sequences of those tokens, split only as deep as their expected count allows (see
-`continuation_check`); sequences the law gives no mass make the check fail outright.
+`continuation_check`); a token emitted where the law, read at that prefix, gives it no mass fails the check
+outright.
 
 The tests of the engines (tests/test_sampled_lossless.py) and `specdec verify` share this code.
 """
@@ -16,12 +17,18 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
-from scipy.stats import chisquare
 
+from specdec.errors import SpecdecError
+from specdec.runtime.batched import BatchRequest
 from specdec.runtime.sampling import SamplingConfig, probs_from_logits
+from specdec.runtime.speculative import SpecStats
+
+if TYPE_CHECKING:
+    from specdec.runtime.batched import BatchedEngine
+    from specdec.runtime.engine import Engine, GenerationConfig
 
 # Chi-square's approximation holds when every cell expects at least this many counts (Cochran's rule).
 MIN_EXPECTED = 5.0
@@ -153,6 +160,10 @@ def continuation_check(answers: Mapping[tuple[int, ...], Iterable[Sequence[int]]
     constraints = (n_groups - len(pooled)) + (1 if pooled else 0)
     if len(obs) <= constraints:  # nothing left free to compare
         return LawCheck(0.0, 1.0, n, len(obs), 0, tv)
+    try:  # scipy is a test dependency, not a runtime one: only this check needs it
+        from scipy.stats import chisquare
+    except ImportError:
+        raise SpecdecError("the statistical check needs scipy", "pip install scipy") from None
     exp = exp * (obs.sum() / exp.sum())  # the same total up to rounding, as chisquare requires
     result = chisquare(obs, exp, ddof=constraints - 1)
     return LawCheck(float(result.statistic), float(result.pvalue), n, len(obs), 0, tv)
@@ -166,13 +177,14 @@ class Answers:
     drafted: int = 0
     accepted: int = 0
 
-    def add(self, prompt_ids: Sequence[int], token_ids: Sequence[int], stats) -> None:
+    def add(self, prompt_ids: Sequence[int], token_ids: Sequence[int], stats: SpecStats) -> None:
         self.by_prompt[tuple(int(t) for t in prompt_ids)].append(list(token_ids))
         self.drafted += stats.drafted
         self.accepted += stats.accepted
 
 
-def answers_from_engine(engine, prompt_ids: Sequence[int], cfg, seeds: Iterable[int]) -> Answers:
+def answers_from_engine(engine: Engine, prompt_ids: Sequence[int], cfg: GenerationConfig,
+                        seeds: Iterable[int]) -> Answers:
     """One answer per seed from `engine` (an Engine) to `prompt_ids`, each under `cfg` with that seed."""
     answers = Answers()
     for seed in seeds:
@@ -183,10 +195,9 @@ def answers_from_engine(engine, prompt_ids: Sequence[int], cfg, seeds: Iterable[
     return answers
 
 
-def answers_from_batch(engine, prompts: Sequence[Sequence[int]], cfg, seeds: Iterable[int]) -> Answers:
+def answers_from_batch(engine: BatchedEngine, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
+                       seeds: Iterable[int]) -> Answers:
     """Answers of a BatchedEngine: one request per seed, cycling through `prompts` (ragged rows side by side)."""
-    from specdec.runtime.batched import BatchRequest
-
     requests = [BatchRequest(i, tuple(prompts[i % len(prompts)]), replace(cfg, seed=seed))
                 for i, seed in enumerate(seeds)]
     answers = Answers()

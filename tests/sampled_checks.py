@@ -43,7 +43,8 @@ class ModeDrafter:
         pass
 
 
-def check_engine(engine, law: TargetLaw, prompt_ids: Sequence[int], cfg, n: int, depth: int = 2) -> tuple[LawCheck, Answers]:
+def check_engine(engine, law: TargetLaw, prompt_ids: Sequence[int], cfg, n: int,
+                 depth: int = 2) -> tuple[LawCheck, Answers]:
     """`n` seeded answers of an Engine to one prompt, checked against `law`."""
     return _checked(answers_from_engine(engine, prompt_ids, cfg, range(n)), engine, law, depth)
 

@@ -19,6 +19,7 @@ from scipy.stats import chisquare
 
 from specdec.runtime import acceptance
 from specdec.runtime.acceptance import greedy_accept, residual, speculative_accept
+from specdec.verify_stats import continuation_check
 
 VOCAB = 6
 ROUNDS = 100_000
@@ -225,14 +226,16 @@ def first_two_emitted(
 
 
 def joint_pvalue(pair: MarkovPair, first: np.ndarray, second: np.ndarray) -> float:
-    expected = pair.joint().ravel() * len(first)  # [vocab*vocab]
-    assert expected.min() > 5  # chi-square's approximation holds
-    observed = np.bincount(first * VOCAB + second, minlength=VOCAB * VOCAB)
-    return chisquare(observed, expected).pvalue
+    """The engines' check (specdec.verify_stats) on the pair's law: a fixed token 0 stands for the prefill's token
+    the check takes as given, after which the law is p0, then T[previous]."""
+    check = continuation_check({(): [(0, a, b) for a, b in zip(first.tolist(), second.tolist())]},
+                               lambda context: pair.p0 if len(context) == 1 else pair.T[context[-1]], depth=2)
+    assert check.cells == VOCAB * VOCAB  # every cell expects enough answers to stand alone
+    return check.pvalue
 
 
 def marginal_pvalue(p: np.ndarray, tokens: np.ndarray) -> float:
-    return chisquare(np.bincount(tokens, minlength=VOCAB), p * tokens.shape[0]).pvalue
+    return continuation_check({(): [(0, t) for t in tokens.tolist()]}, lambda context: p, depth=1).pvalue
 
 
 @pytest.fixture(scope="module")

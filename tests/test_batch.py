@@ -575,6 +575,23 @@ def test_batched_corpus_drafter_needs_a_corpus(tiny_bundle, tmp_path):
                              "--drafter", "corpus"), "no corpus", "specdec corpus")
 
 
+def test_sampled_corpus_rows_keep_the_targets_exact_law(corpus_bundle):
+    """Corpus drafts (deterministic lookups into the target's greedy answers) verified in ragged sampled rows: the
+    tokens after the first follow the target's own law (the check of tests/test_sampled_lossless.py)."""
+    from sampled_checks import assert_lossless, check_batch
+    from specdec.verify_stats import TargetLaw
+
+    sampling = SamplingConfig(temperature=0.3)
+    law = TargetLaw(Engine(corpus_bundle, drafter="none").target, sampling)
+    eng = BatchedEngine(corpus_bundle, 3, drafter="corpus")
+    from specdec.export.distill_data import DistillDataConfig, plan_prompts
+
+    # Two of the prompts the corpus answers (conftest's tiny_distill_data): its lookups find their continuations.
+    ids = [eng.encode(messages) for messages in plan_prompts(DistillDataConfig(n_prompts=24, seed=0), [], set())[:2]]
+    cfg = GenerationConfig(max_new_tokens=3, draft_len=2, sampling=sampling)
+    assert_lossless(*check_batch(eng, law, ids, cfg, 800))
+
+
 # ------------------------------------------------------------------------------------------- OpenAI Batch API lines
 
 def _openai_line(cid: str, url: str, body: dict) -> dict:

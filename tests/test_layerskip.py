@@ -46,7 +46,41 @@ def test_split_graphs_share_the_target_weights(bundles):
     assert (ls / "exit.onnx").stat().st_size + (ls / "tail.onnx").stat().st_size < 0.05 * target_data
     curve = m["drafter"]["calibration"]["curve"]
     assert [c["exit_layer"] for c in curve] == [1, 2, 3]
-    assert all(0.0 <= c["agreement"] <= 1.0 for c in curve)
+
+
+def test_calibration_agreement_is_the_exits_top1_on_held_out_answers(bundles, ckpt, tiny_tokenizer):
+    """Each exit's calibration agreement, recomputed here with transformers: the exit's residual stream through
+    the final norm and the tied head over the draft vocabulary, against the target's own next token, on the
+    held-out fifth of the calibration answers' positions."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.export.prompts import instruction_prompts, target_answers
+
+    m = json.loads((bundles / "ls" / "specdec.json").read_text())
+    cfg = LayerSkipConfig(exit_layer=2, **QUICK)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    answers = target_answers(model, tiny_tokenizer, instruction_prompts(cfg.prompts, seed=cfg.seed), cfg.new_tokens)
+    vocab = np.load(bundles / "ls" / m["drafter"]["draft_vocab"])  # [N] target ids
+    head = model.get_input_embeddings().weight[torch.from_numpy(vocab)]  # [N, D] the tied head's rows
+    g_final, eps = model.model.norm.weight, model.config.rms_norm_eps
+    states: dict[int, list] = {E: [] for E in (1, 2, 3)}
+    nexts = []
+    with torch.no_grad():
+        for ids, n_prompt in answers:
+            if len(ids) <= n_prompt:
+                continue
+            out = model(torch.from_numpy(ids)[None], output_hidden_states=True)
+            rows = slice(n_prompt - 1, len(ids) - 1)  # positions whose next token is an answer token
+            nexts.append(out.logits[0, rows].argmax(-1))
+            for E in states:
+                states[E].append(out.hidden_states[E][0, rows].half().float())  # stored as fp16 by the calibration
+    nxt = torch.cat(nexts)  # [n]
+    held = slice(int(len(nxt) * 0.8), len(nxt))
+    for c in m["drafter"]["calibration"]["curve"]:
+        h = torch.cat(states[c["exit_layer"]])[held]  # [m, D]
+        pred = vocab[((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * g_final) @ head.T).argmax(-1)]
+        agreement = float((torch.from_numpy(pred) == nxt[held]).float().mean())
+        assert c["agreement"] == pytest.approx(agreement, abs=1.5 / len(pred)), c
 
 
 def test_auto_exit_layer_is_the_best_predicted(bundles):
