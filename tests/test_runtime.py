@@ -83,6 +83,18 @@ def test_prefix_reuse_gives_same_output(engines):
     assert first.token_ids == again.token_ids == fresh.token_ids
 
 
+def test_a_prompt_extending_the_last_answer_reuses_only_what_the_kv_holds(tiny_bundle):
+    """generate() stops reading the stream at its budget; the answer's last token was never written to the KV.
+    A next prompt holding the whole answer (a chat's next turn) must still see that token."""
+    e, fresh = specdec.load(tiny_bundle, drafter="none"), specdec.load(tiny_bundle, drafter="none")
+    first = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=12))
+    assert first.finish_reason == "length"
+    prompt = e.encode(PROMPTS[0]) + first.token_ids + e.encode(PROMPTS[1], chat=False)
+    cfg = GenerationConfig(max_new_tokens=24)
+    got = [t for chunk in e.stream_ids(prompt, cfg) for t in chunk]
+    assert got == [t for chunk in fresh.stream_ids(prompt, cfg) for t in chunk]
+
+
 def test_stop_string_and_max_tokens(engines):
     e = engines["none"]
     g = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=5))

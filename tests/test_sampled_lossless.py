@@ -60,7 +60,7 @@ def cousin_bundle(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(tiny_bundle):
-    """The target decoding alone: the laws' source, never run speculatively."""
+    """The laws' source: TargetLaw owns its target's KV, so this engine never generates."""
     return specdec.load(tiny_bundle, drafter="none")
 
 
@@ -94,20 +94,26 @@ def test_deterministic_chain_is_lossless_through_the_engine(tiny_bundle, plain, 
 
 
 def test_ngram_chain_is_lossless_through_the_engine(tiny_bundle, plain, prompts):
-    """The real n-gram drafter: on a random tiny model its lookups are nearly always wrong (a few are accepted)."""
-    sampling = SamplingConfig(temperature=0.5)
-    law = TargetLaw(plain.target, sampling)
+    """The real n-gram drafter. A random tiny model does not repeat its context, so the lookups are nearly always
+    wrong; a prompt that holds its own greedy continuation twice gets a few of them accepted."""
+    law = TargetLaw(plain.target, COLD)
     engine = specdec.load(tiny_bundle, drafter="ngram")
-    prompt = prompts[0] + plain.generate(prompts[0], GenerationConfig(max_new_tokens=40, draft_len=0)).token_ids
-    assert_lossless(*check_engine(engine, law, prompt, cfg(sampling, 2), N))
+    greedy = engine.generate("the quick brown fox", GenerationConfig(max_new_tokens=40, draft_len=0, chat=False))
+    prompt = prompts[0] + greedy.token_ids + prompts[0] + greedy.token_ids[:5]
+    assert_lossless(*check_engine(engine, law, prompt, cfg(COLD, 2), N))
 
 
-@pytest.mark.parametrize("sampling", [WARM_TOP_P, TOP_K], ids=["t0.8-topp0.8", "t0.5-topk5"])
-def test_sampling_drafter_chain_is_lossless_through_the_engine(cousin_bundle, plain, prompts, sampling, monkeypatch):
+@pytest.mark.parametrize("drafter, sampling", [("model", WARM_TOP_P), ("model", TOP_K), ("hybrid", WARM_TOP_P)],
+                         ids=["model-t0.8-topp0.8", "model-t0.5-topk5", "hybrid-t0.8-topp0.8"])
+def test_sampling_drafter_chain_is_lossless_through_the_engine(cousin_bundle, plain, prompts, drafter, sampling,
+                                                               monkeypatch):
+    """The draft model's sampled chains (p_draft rows); the hybrid's lookups (one-hot) where the prompt repeats."""
     law = TargetLaw(plain.target, sampling)
-    engine = specdec.load(cousin_bundle, drafter="model")
-    monkeypatch.setattr(engine.drafter, "confidence_stop", 0.0)  # draft all k: a tiny random model is never sure
-    assert_lossless(*check_engine(engine, law, prompts[0], cfg(sampling, 2), N))
+    engine = specdec.load(cousin_bundle, drafter=drafter)
+    model = engine._drafters["model"]  # the hybrid shares it
+    monkeypatch.setattr(model, "confidence_stop", 0.0)  # draft all k: a tiny random model is never sure
+    prompt = prompts[1] if drafter == "model" else prompts[1] + prompts[1]
+    assert_lossless(*check_engine(engine, law, prompt, cfg(sampling, 2), N))
 
 
 # ---- BatchedEngine: ragged rows, two prompts of different lengths side by side

@@ -380,7 +380,9 @@ class Engine:
                                f"raise it with --max-len (the model allows up to {self.manifest.model.max_position})")
         kv = self.target.kv
         n_cached = 0
-        for a, b in zip(self.cached_ids, prompt_ids[:-1]):  # keep >= 1 token to prefill for the first logits
+        # Only what the KV holds counts: the last token emitted is never in it.
+        held = self.cached_ids[:int(kv.lengths[0])]
+        for a, b in zip(held, prompt_ids[:-1]):  # keep >= 1 token to prefill for the first logits
             if a != b:
                 break
             n_cached += 1
@@ -405,9 +407,10 @@ class Engine:
                 if cut is not None or n_new >= cfg.max_new_tokens:
                     break
         finally:
+            # Also when the caller stops iterating (stream() ends at EOS or the budget) or a round raised.
+            self.cached_ids = self.cached_ids[:int(kv.lengths[0])]
             if isinstance(policy, AdaptiveDraftLen) and stats.target_forwards:
                 self._keep_costs(policy)
-        self.cached_ids = self.cached_ids[:int(kv.lengths[0])]
 
     def stream(self, prompt: Prompt, cfg: GenerationConfig | None = None) -> Iterator[str]:
         """Yield text pieces; the finished Generation is in `last_generation`."""
