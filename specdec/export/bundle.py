@@ -32,8 +32,9 @@ DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "layerskip", "eagle", "medusa"
 # carries a quantized GGUF's own codes (export/gguf_export.py); "auto" is "gguf" for a quantized GGUF whose drafter
 # the streaming export writes (GGUF_DRAFTERS), else fp32.
 EXPORT_PRECISIONS = ("auto", "fp32", "fp16", *TARGET_PRESETS, "gguf")
-# Drafters a streamed GGUF export writes: the lookup drafters, and a draft model given as a bundle or a GGUF file.
-# The others (self-int8/int4, layerskip, eagle, medusa) are built from the fp32 torch model.
+# Drafters a streamed export (a GGUF file, or a checkpoint folder's safetensors) writes: the lookup drafters, and a
+# draft model given as a bundle or a GGUF file. The others (self-int8/int4, layerskip, eagle, medusa) are built from
+# the fp32 torch model.
 GGUF_DRAFTERS = ("none", "ngram")
 # A LayerSkip split (exit + tail) runs the target's own arithmetic: it may differ from the whole graph only by
 # kernel rounding (fp32 ~1e-5; fp16 and the weight-only kernels' fp32 accumulation ~1e-3).
@@ -72,6 +73,9 @@ class ExportConfig:
     # int8/int4 target with int8-activation kernels (FAST_TARGET_PRESETS): the fastest CPU graph; measured at export,
     # it runs every step with >= 2 tokens so that speculation stays token-identical (GraphSpec.min_step_tokens).
     fast_kernels: bool = False
+    # A checkpoint folder's safetensors streamed tensor by tensor (export/hf_source.py: bounded memory, no torch)
+    # where the drafter and precision allow it; False: loaded whole as a torch model, as every other combination is.
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in EXPORT_PRECISIONS:
@@ -99,7 +103,7 @@ class ExportConfig:
 
     @property
     def streams_gguf(self) -> bool:
-        """Whether a GGUF target with this drafter can be streamed (export/gguf_export.py)."""
+        """Whether a GGUF target (or a checkpoint folder) with this drafter can be streamed (export/gguf_export.py)."""
         return self.drafter in GGUF_DRAFTERS or self.drafter.startswith("model:")
 
     @property
@@ -162,7 +166,14 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         step(f"reading {model_path.name}")
         src = GGUFSource(model_path)  # read once: its metadata takes seconds to parse for a 150k vocabulary
         precision = ("gguf" if src.quantized else "fp32") if precision == "auto" else precision
-        return _export_gguf(src, out_dir, replace(cfg, precision=precision), step, draft_bundle, draft_gguf)
+        return _export_streamed(src, out_dir, replace(cfg, precision=precision), step, draft_bundle, draft_gguf)
+    if cfg.stream and _streams_checkpoint(model_path) and cfg.streams_gguf and precision in ("auto", "fp32", "fp16"):
+        from specdec.export.hf_source import SafetensorsSource
+
+        step(f"reading {model_path.name}")
+        src = SafetensorsSource(model_path)
+        precision = "fp32" if precision == "auto" else precision
+        return _export_streamed(src, out_dir, replace(cfg, precision=precision), step, draft_bundle, draft_gguf)
     cfg = replace(cfg, precision="fp32" if precision == "auto" else precision)
 
     step("loading model")
@@ -354,20 +365,28 @@ def _copy_draft_bundle(src: Path, dst: Path, target_tok: TokenizerSpec) -> Graph
                      inputs=g.inputs, outputs=g.outputs, hidden_layers=g.hidden_layers, quant=g.quant, checks=g.checks)
 
 
-def _gguf_tokenizer(path: Path, folder: Path, eos_id: int | None = None) -> TokenizerSpec:
-    """The GGUF's tokenizer saved into `folder` (gguf_source.save_tokenizer) and described; `eos_id`: the file's
-    tokenizer.ggml.eos_token_id, listed first."""
+def _streams_checkpoint(path: Path) -> bool:
+    """Whether `path` is a checkpoint folder whose safetensors export/hf_source.py streams."""
+    from specdec.export.hf_source import why_not_streamed
+
+    return path.is_dir() and (path / "config.json").is_file() and why_not_streamed(path) is None
+
+
+def _streamed_tokenizer(path: Path, folder: Path, eos_ids: tuple[int, ...] = ()) -> TokenizerSpec:
+    """The tokenizer of a GGUF file or checkpoint folder saved into `folder` (gguf_source.save_tokenizer) and
+    described; `eos_ids`: the model's own end-of-sequence ids (the GGUF's tokenizer.ggml.eos_token_id, config.json's
+    eos_token_id), listed first."""
     from tokenizers import Tokenizer
 
     from specdec.export.gguf_source import save_tokenizer
 
     info = save_tokenizer(path, folder)
     eos = []
-    for cand in (eos_id, info["eos"]):
+    for cand in (*eos_ids, info["eos"]):
         if cand is not None and int(cand) not in eos:
             eos.append(int(cand))
     if not eos:
-        raise SpecdecError(f"{path.name} defines no end-of-sequence token", "add tokenizer.ggml.eos_token_id to the GGUF")
+        raise SpecdecError(f"{path.name} defines no end-of-sequence token", "add its id (tokenizer.ggml.eos_token_id in a GGUF, eos_token_id in config.json)")
     return TokenizerSpec(file="tokenizer.json", bos_token_id=info["bos"], eos_token_ids=tuple(eos),
                          chat_template=info["chat_template"],
                          vocab_digest=vocab_digest(Tokenizer.from_file(str(folder / "tokenizer.json"))))
@@ -378,7 +397,7 @@ def _check_gguf_draft_vocab(path: Path, target_digest: str) -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        digest = _gguf_tokenizer(path, Path(tmp)).vocab_digest
+        digest = _streamed_tokenizer(path, Path(tmp)).vocab_digest
     if digest != target_digest:
         raise SpecdecError(f"draft model {path} has a different vocabulary from the target "
                            f"(vocab digest {digest[:12]} vs {target_digest[:12]})",
@@ -399,10 +418,11 @@ def _stream_gguf_draft(path: Path, partial: Path, step) -> GraphSpec:
     return replace(spec, file="draft/target.onnx")
 
 
-def _export_gguf(src, out_dir: Path, cfg: ExportConfig, step, draft_bundle: Path | None,
-                 draft_gguf: Path | None) -> Manifest:
-    """A GGUF target (gguf_source.GGUFSource) streamed tensor by tensor into the bundle (export/gguf_export.py):
-    bounded memory at any model size, the file's own quantized codes with precision "gguf"."""
+def _export_streamed(src, out_dir: Path, cfg: ExportConfig, step, draft_bundle: Path | None,
+                     draft_gguf: Path | None) -> Manifest:
+    """A GGUF target (gguf_source.GGUFSource) or a checkpoint folder's safetensors (hf_source.SafetensorsSource)
+    streamed tensor by tensor into the bundle (export/gguf_export.py): bounded memory at any model size, a GGUF's own
+    quantized codes with precision "gguf"."""
     from specdec.export.gguf_export import export_gguf_graph, gguf_fingerprint
 
     model_path = src.path
@@ -412,7 +432,7 @@ def _export_gguf(src, out_dir: Path, cfg: ExportConfig, step, draft_bundle: Path
     draft_manifest = read_manifest(draft_bundle) if draft_bundle is not None else None
     with staged_folder(out_dir) as partial:
         step("writing tokenizer")
-        tok_spec = _gguf_tokenizer(model_path, partial, src.field("tokenizer.ggml.eos_token_id"))
+        tok_spec = _streamed_tokenizer(model_path, partial, src.eos_token_ids)
         if draft_manifest is not None:  # before any graph is written
             _check_same_vocab(draft_bundle, draft_manifest, tok_spec.vocab_digest)
         if draft_gguf is not None:

@@ -100,6 +100,11 @@ class GGUFSource:
         )
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        return () if eos is None else (int(eos),)
+
+    @property
     def rope_theta(self) -> float:
         return float(self.field(f"{self.arch}.rope.freq_base", 10000.0))
 
@@ -237,7 +242,8 @@ def _cat_rows(parts: list):
 
 
 def load_tokenizer(path: Path):
-    """The GGUF's tokenizer as a transformers fast tokenizer (its metadata only; no tensor is read)."""
+    """The tokenizer of a GGUF file (its metadata only; no tensor is read) or of a Hugging Face checkpoint folder
+    (its tokenizer files, as the torch export reads them), as a transformers fast tokenizer."""
     import os
 
     os.environ.setdefault("TQDM_DISABLE", "1")
@@ -246,7 +252,10 @@ def load_tokenizer(path: Path):
 
     transformers.logging.set_verbosity_error()
     try:
-        tok = AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+        if Path(path).is_dir():
+            tok = AutoTokenizer.from_pretrained(str(path))
+        else:
+            tok = AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
     except Exception as e:
         raise SpecdecError(f"cannot read the tokenizer of {path}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}",
                            "the file may be truncated or corrupt, or carry a tokenizer transformers cannot convert") from None
@@ -270,9 +279,10 @@ def _save_tokenizer_main(path: str, folder: str) -> None:
 
 
 def save_tokenizer(path: Path, folder: Path) -> dict:
-    """Write the GGUF's tokenizer as `folder`/tokenizer.json; return {bos, eos, chat_template}. The conversion
-    (transformers, and the torch it imports: ~0.3 GB resident, ~0.8 GB at its peak for a 150k vocabulary) runs in a
-    child process, so the export's own memory stays what the weights need."""
+    """Write the tokenizer of a GGUF file or checkpoint folder (load_tokenizer) as `folder`/tokenizer.json; return
+    {bos, eos, chat_template}. The conversion (transformers, and the torch it imports: ~0.3 GB resident, ~0.8 GB at
+    its peak for a 150k vocabulary) runs in a child process, so the export's own memory stays what the weights
+    need."""
     import json
     import subprocess
     import sys
