@@ -22,18 +22,28 @@ from conftest import break_streamed_graphs, make_checkpoint  # noqa: E402
 IDS = np.random.default_rng(7).integers(0, 320, size=(1, 40))  # the tiny tokenizer's 320 ids
 
 
-def to_bf16(src: Path, dst: Path) -> Path:
-    """A copy of checkpoint `src` whose safetensors hold bfloat16 (config.json says so)."""
+def converted(src: Path, dst: Path, dtype: str, shards: int = 1) -> Path:
+    """A copy of checkpoint `src` whose safetensors hold `dtype` ("bfloat16", "float16"; config.json says so), split
+    into `shards` files with an index as save_pretrained writes them."""
     import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, str(f), metadata={"format": "pt"})
+    tensors = {k: v.to(getattr(torch, dtype)) for k, v in load_file(dst / "model.safetensors").items()}
+    (dst / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for j in range(shards):
+        file = f"model-{j + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 else "model.safetensors"
+        part = names[j::shards]
+        save_file({k: tensors[k] for k in part}, str(dst / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in part})
+    if shards > 1:
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["dtype"] = "bfloat16"
+    cfg["dtype"] = dtype
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
 
@@ -53,8 +63,9 @@ def checkpoints(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf-stream")
     fp32 = make_checkpoint(root / "qwen2-fp32", seed=1, model_type="qwen2", tokenizer=tiny_tokenizer)
     llama = make_checkpoint(root / "llama-untied", seed=2, model_type="llama", tokenizer=tiny_tokenizer, tied=False)
-    return {"qwen2-fp32": fp32, "qwen2-bf16": to_bf16(fp32, root / "qwen2-bf16"),
-            "llama-untied-bf16": to_bf16(llama, root / "llama-untied-bf16")}
+    return {"qwen2-fp32": fp32, "qwen2-bf16": converted(fp32, root / "qwen2-bf16", "bfloat16", shards=2),
+            "llama-untied-bf16": converted(llama, root / "llama-untied-bf16", "bfloat16"),
+            "llama-untied-fp16": converted(llama, root / "llama-untied-fp16", "float16")}
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +81,15 @@ def _target(bundle: Path):
     return read_manifest(bundle).graphs["target"]
 
 
-@pytest.mark.parametrize("name", ["qwen2-fp32", "qwen2-bf16", "llama-untied-bf16"])
+@pytest.mark.parametrize("name", ["qwen2-fp32", "qwen2-bf16", "llama-untied-bf16", "llama-untied-fp16"])
 def test_streamed_graph_equals_transformers_forward(checkpoints, tmp_path, name):
-    """fp32 and bf16 safetensors, tied and untied heads, with and without QKV biases: the streamed graph's logits are
-    transformers' own, within fp32 rounding, and its check ran against the reference forward (the streamed path)."""
+    """fp32, bf16 and fp16 safetensors, one file or sharded, tied and untied heads, with and without QKV biases: the
+    streamed graph's logits are transformers' own, within fp32 rounding, and its check ran against the reference
+    forward (the streamed path)."""
     m = export_bundle(checkpoints[name], tmp_path / "b", ExportConfig(drafter="none", max_len=128))
     spec = m.graphs["target"]
     assert spec.checks["max_abs_logit_diff_vs_reference_forward"] <= spec.checks["tolerance"]
-    assert spec.model.tie_embeddings == (name != "llama-untied-bf16")
+    assert spec.model.tie_embeddings == (not name.startswith("llama-untied"))
     got = graph_logits(tmp_path / "b" / "target.onnx", spec, IDS)
     want = transformers_logits(checkpoints[name], IDS)
     assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
@@ -201,3 +213,25 @@ def test_export_memory_is_flat_in_depth(tmp_path):
     grown = weights[10] - weights[2]  # ~116 MB
     assert peaks["write", 10] - peaks["write", 2] < 0.2 * grown, (peaks, grown)
     assert peaks["export", 10] - peaks["export", 2] < 1.15 * (bundles[10] - bundles[2]), (peaks, bundles)
+
+
+def test_checkpoint_draft_model_in_one_command(checkpoints, tmp_path, tiny_tokenizer):
+    """`--drafter model:FOLDER`: a checkpoint folder of the same vocabulary is streamed into the same bundle as the
+    draft model; drafting is lossless. One of another vocabulary is refused before any graph is written."""
+    from conftest import make_tokenizer
+
+    draft = make_checkpoint(tmp_path / "draft", seed=5, n_layers=1, model_type="qwen2", tokenizer=tiny_tokenizer)
+    out = tmp_path / "b"
+    m = export_bundle(checkpoints["qwen2-bf16"], out, ExportConfig(drafter=f"model:{draft}", max_len=128))
+    assert m.graphs["draft"].file == "draft/target.onnx" and m.drafter.kind == "model"
+    assert "max_abs_logit_diff_vs_reference_forward" in m.graphs["draft"].checks
+    plain = specdec.load(out, drafter="none")
+    spec = specdec.load(out, drafter="model")
+    want = plain.generate("the quick brown", GenerationConfig(max_new_tokens=16, draft_len=0)).token_ids
+    assert spec.generate("the quick brown", GenerationConfig(max_new_tokens=16, draft_len=3)).token_ids == want
+
+    other = make_checkpoint(tmp_path / "other", n_layers=1, model_type="qwen2", tokenizer=make_tokenizer(vocab_size=300))
+    with pytest.raises(SpecdecError) as e:
+        export_bundle(checkpoints["qwen2-bf16"], tmp_path / "c", ExportConfig(drafter=f"model:{other}", max_len=64))
+    assert "different vocabulary" in str(e.value)
+    assert not (tmp_path / "c").exists()

@@ -141,6 +141,7 @@ class SafetensorsSource:
 
     # ------------------------------------------------------------------------------------------ tensors
     embed_name, final_norm_name = PREFIX + "embed_tokens.weight", PREFIX + "norm.weight"
+    quantized = False  # float matrices only: fp32, fp16 or bf16
 
     @property
     def head_name(self) -> str | None:
