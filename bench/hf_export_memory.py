@@ -5,12 +5,14 @@
 Each export runs as its own process under a 10 GiB address-space cap (`prlimit --as`), `timeout` and
 /usr/bin/time -v (peak RSS of the largest process), one after the other.
 
-    .venv/bin/python bench/hf_export_memory.py --layers 16 --hidden 1024 --out bench/results/hf_stream_export.json
+    .venv/bin/python bench/hf_export_memory.py --layers 16 --hidden 1024 --dtypes fp32,bf16 \\
+        --out bench/results/hf_stream_export.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import subprocess
@@ -94,7 +96,8 @@ def run_export(ckpt: Path, out: Path, path: str, timeout_s: int) -> dict:
               "peak_rss_mb": round(int(peak.group(1)) / 1024, 1) if peak else None,
               "peak_rss_export_process_mb": round(int(own.group(1)) / 1024, 1) if own else None}
     if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("\t")]
+        own = proc.stderr.split("\tCommand being timed")[0]  # what the export printed, before time's report
+        lines = [ln for ln in own.splitlines() if ln.strip() and not ln.startswith("Command exited")]
         result["error"] = lines[-1][:300] if lines else f"exit {proc.returncode}"
         return result
     manifest = json.loads((out / "specdec.json").read_text())
@@ -107,21 +110,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="checkpoint dtypes, one checkpoint each")
     ap.add_argument("--paths", default="stream,torch")
     ap.add_argument("--timeout", type=int, default=1200)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="specdec-hf-export-") as tmp:
-        ckpt = Path(tmp) / "ckpt"
-        ckpt.mkdir()
-        weights = write_checkpoint(ckpt, args.layers, args.hidden, args.dtype)
-        result = {"checkpoint": {"layers": args.layers, "hidden": args.hidden, "ffn": 4 * args.hidden,
-                                 "dtype": args.dtype, "weights_mb": round(weights / 1e6, 1)},
-                  "address_space_limit_gib": AS_LIMIT >> 30, "machine": platform.processor() or platform.machine()}
-        for path in args.paths.split(","):
-            result[path] = run_export(ckpt, Path(tmp) / f"bundle-{path}", path, args.timeout)
-            print(path, json.dumps({k: v for k, v in result[path].items() if k != "checks"}), file=sys.stderr)
+    result = {"address_space_limit_gib": AS_LIMIT >> 30, "machine": platform.processor() or platform.machine(),
+              "cpus": len(os.sched_getaffinity(0)), "load_average_at_start": os.getloadavg()[0]}
+    for dtype in args.dtypes.split(","):
+        with tempfile.TemporaryDirectory(prefix="specdec-hf-export-") as tmp:
+            ckpt = Path(tmp) / "ckpt"
+            ckpt.mkdir()
+            weights = write_checkpoint(ckpt, args.layers, args.hidden, dtype)
+            case = {"checkpoint": {"layers": args.layers, "hidden": args.hidden, "ffn": 4 * args.hidden,
+                                   "dtype": dtype, "weights_mb": round(weights / 1e6, 1)}}
+            for path in args.paths.split(","):
+                case[path] = run_export(ckpt, Path(tmp) / f"bundle-{path}", path, args.timeout)
+                print(dtype, path, json.dumps({k: v for k, v in case[path].items() if k != "checks"}), file=sys.stderr)
+            result[dtype] = case
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -159,6 +159,18 @@ def test_truncated_safetensors_is_one_error(checkpoints, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+
+def test_missing_shard_is_one_error(checkpoints, tmp_path):
+    import shutil
+
+    bad = tmp_path / "shards"
+    shutil.copytree(checkpoints["qwen2-bf16"], bad)
+    (bad / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(SpecdecError) as e:
+        export_bundle(bad, tmp_path / "b", ExportConfig(drafter="none", max_len=64))
+    assert "lacks model-00002-of-00002.safetensors" in str(e.value)
+    assert not (tmp_path / "b").exists()
+
 NO_TORCH_SCRIPT = """
 import sys
 from specdec.export.bundle import ExportConfig, export_bundle

@@ -61,6 +61,24 @@ def why_not_streamed(folder: Path) -> str | None:
     return None
 
 
+def _weight_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names when it has one (a folder may hold other copies of
+    the weights beside them), else every *.safetensors file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as e:
+            raise SpecdecError(f"cannot read {index}: {str(e).splitlines()[0][:200]}",
+                               "the checkpoint folder may be incomplete; download it again") from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise SpecdecError(f"{folder} lacks {missing[0]} ({len(missing)} of the {len(names)} files its index names)",
+                               "the checkpoint folder may be incomplete; download it again")
+        return [folder / n for n in names]
+    return sorted(folder.glob("*.safetensors"))
+
+
 def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) widened exactly to float32: they are its high half."""
     return (raw.astype(np.uint32) << 16).view(np.float32)
@@ -79,7 +97,7 @@ class SafetensorsSource:
         self._headers: dict[Path, tuple[int, dict]] = {}
         # tensor name -> (file, safetensors dtype, shape)
         self.index: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
-        for file in sorted(self.path.glob("*.safetensors")):
+        for file in _weight_files(self.path):
             try:
                 with safe_open(str(file), framework="numpy") as f:
                     for name in f.keys():
