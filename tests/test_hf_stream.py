@@ -242,7 +242,8 @@ def test_checkpoint_draft_model_in_one_command(checkpoints, tmp_path, tiny_token
     want = plain.generate("the quick brown", GenerationConfig(max_new_tokens=16, draft_len=0)).token_ids
     assert spec.generate("the quick brown", GenerationConfig(max_new_tokens=16, draft_len=3)).token_ids == want
 
-    other = make_checkpoint(tmp_path / "other", n_layers=1, model_type="qwen2", tokenizer=make_tokenizer(vocab_size=300))
+    other = make_checkpoint(tmp_path / "other", n_layers=1, model_type="qwen2",
+                            tokenizer=make_tokenizer(vocab_size=300))
     with pytest.raises(SpecdecError) as e:
         export_bundle(checkpoints["qwen2-bf16"], tmp_path / "c", ExportConfig(drafter=f"model:{other}", max_len=64))
     assert "different vocabulary" in str(e.value)

@@ -33,8 +33,8 @@ DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "layerskip", "eagle", "medusa"
 # the streaming export writes (GGUF_DRAFTERS), else fp32.
 EXPORT_PRECISIONS = ("auto", "fp32", "fp16", *TARGET_PRESETS, "gguf")
 # Drafters a streamed export (a GGUF file, or a checkpoint folder's safetensors) writes: the lookup drafters, and a
-# draft model given as a bundle or a GGUF file. The others (self-int8/int4, layerskip, eagle, medusa) are built from
-# the fp32 torch model.
+# draft model given as a bundle, a GGUF file or a checkpoint folder. The others (self-int8/int4, layerskip, eagle,
+# medusa) are built from the fp32 torch model.
 GGUF_DRAFTERS = ("none", "ngram")
 # A LayerSkip split (exit + tail) runs the target's own arithmetic: it may differ from the whole graph only by
 # kernel rounding (fp32 ~1e-5; fp16 and the weight-only kernels' fp32 accumulation ~1e-3).
@@ -387,7 +387,8 @@ def _streamed_tokenizer(path: Path, folder: Path, eos_ids: tuple[int, ...] = ())
         if cand is not None and int(cand) not in eos:
             eos.append(int(cand))
     if not eos:
-        raise SpecdecError(f"{path.name} defines no end-of-sequence token", "add its id (tokenizer.ggml.eos_token_id in a GGUF, eos_token_id in config.json)")
+        raise SpecdecError(f"{path.name} defines no end-of-sequence token",
+                           "add its id (tokenizer.ggml.eos_token_id in a GGUF, eos_token_id in config.json)")
     return TokenizerSpec(file="tokenizer.json", bos_token_id=info["bos"], eos_token_ids=tuple(eos),
                          chat_template=info["chat_template"],
                          vocab_digest=vocab_digest(Tokenizer.from_file(str(folder / "tokenizer.json"))))

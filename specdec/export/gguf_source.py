@@ -16,7 +16,7 @@ import numpy as np
 from specdec.errors import SpecdecError
 from specdec.export.gguf_blocks import CARRIED, FLOAT_TYPES, Carried, carry
 from specdec.export.graph import LayerWeights
-from specdec.export.streamed import LazyWeights, reference_logits  # noqa: F401 (reference_logits: this module's API)
+from specdec.export.streamed import LazyWeights
 from specdec.runtime.manifest import ModelConfig
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")  # pre-norm decoders with RMSNorm, rotary, GQA and SwiGLU

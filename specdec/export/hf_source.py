@@ -73,7 +73,8 @@ def _weight_files(folder: Path) -> list[Path]:
                                "the checkpoint folder may be incomplete; download it again") from None
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
-            raise SpecdecError(f"{folder} lacks {missing[0]} ({len(missing)} of the {len(names)} files its index names)",
+            raise SpecdecError(f"{folder} lacks {missing[0]} ({len(missing)} of the {len(names)} files its index "
+                               "names)",
                                "the checkpoint folder may be incomplete; download it again")
         return [folder / n for n in names]
     return sorted(folder.glob("*.safetensors"))
@@ -104,7 +105,8 @@ class SafetensorsSource:
                         s = f.get_slice(name)
                         self.index[name] = (file, s.get_dtype(), tuple(int(d) for d in s.get_shape()))
             except Exception as e:  # a truncated or corrupt file: safetensors raises its own error types
-                raise SpecdecError(f"cannot read {file}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}",
+                first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                raise SpecdecError(f"cannot read {file}: {first}",
                                    "the file may be truncated or corrupt; download it again") from None
         missing = [n for n in (self.embed_name, self.final_norm_name, PREFIX + "layers.0.self_attn.q_proj.weight")
                    if n not in self.index]
@@ -187,7 +189,8 @@ class SafetensorsSource:
                 self._headers[file] = (8 + n, json.loads(f.read(n)))
         start, header = self._headers[file]
         begin, end = header[name]["data_offsets"]
-        return np.memmap(file, dtype=np.uint16, mode="r", offset=start + begin, shape=((end - begin) // 2,)).reshape(shape)
+        raw = np.memmap(file, dtype=np.uint16, mode="r", offset=start + begin, shape=((end - begin) // 2,))
+        return raw.reshape(shape)
 
     def floats(self, name: str) -> np.ndarray:
         """A tensor as float32, its stored shape ([out, in] for matrices)."""
