@@ -41,7 +41,7 @@ def make_tokenizer(vocab_size: int = 320):
 
 
 def make_checkpoint(folder: Path, seed: int = 0, n_layers: int = 2, hidden: int = 64, heads: int = 4,
-                    kv_heads: int = 2, model_type: str = "llama", tokenizer=None) -> Path:
+                    kv_heads: int = 2, model_type: str = "llama", tokenizer=None, tied: bool = True) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -49,7 +49,7 @@ def make_checkpoint(folder: Path, seed: int = 0, n_layers: int = 2, hidden: int 
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                                num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                               max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True,
+                               max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=tied,
                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # random init is near-uniform; sharpen it so greedy text has structure
@@ -58,6 +58,29 @@ def make_checkpoint(folder: Path, seed: int = 0, n_layers: int = 2, hidden: int 
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def break_streamed_graphs(monkeypatch) -> None:
+    """Make the streaming writer (export/gguf_export.py) perturb one weight of each graph after writing it, before
+    the export's check reads it: the check must refuse."""
+    import onnx
+
+    from specdec.export import gguf_export
+
+    write = gguf_export.write_gguf_graph
+
+    def write_then_break(src, path, precision, progress=None):
+        spec = write(src, path, precision, progress)
+        g = onnx.load_model(str(path), load_external_data=False)
+        norm = next(t for t in g.graph.initializer if t.name == "layers.1.post_norm")
+        arr = onnx.numpy_helper.to_array(norm, base_dir=str(path.parent)).copy()
+        arr[:8] *= 1.5
+        norm.CopyFrom(onnx.numpy_helper.from_array(arr, norm.name))
+        with open(path, "wb") as f:
+            f.write(g.SerializeToString())
+        return spec
+
+    monkeypatch.setattr(gguf_export, "write_gguf_graph", write_then_break)
 
 
 @pytest.fixture(scope="session", autouse=True)

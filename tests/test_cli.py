@@ -180,11 +180,19 @@ def test_export_unknown_precision(tmp_path, tiny_checkpoint):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("what", ["missing", "empty folder", "checkpoint"])
+@pytest.mark.parametrize("what", ["missing", "empty folder", "checkpoint not streamed"])
 def test_export_drafter_model_path_not_a_bundle(tmp_path, tiny_checkpoint, what):
-    path = {"missing": tmp_path / "nope", "empty folder": tmp_path / "empty", "checkpoint": tiny_checkpoint}[what]
+    """A draft model is a bundle, a GGUF file or a checkpoint folder the streaming export reads (tests/
+    test_hf_stream.py); anything else is one error naming the path."""
+    path = {"missing": tmp_path / "nope", "empty folder": tmp_path / "empty",
+            "checkpoint not streamed": tmp_path / "gpt2"}[what]
     if what == "empty folder":
         path.mkdir()
+    if what == "checkpoint not streamed":
+        shutil.copytree(tiny_checkpoint, path)
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["model_type"] = "gpt2"
+        (path / "config.json").write_text(json.dumps(cfg))
     line = assert_one_error(run_cli("export", tiny_checkpoint, "-o", tmp_path / "out", "--drafter", f"model:{path}"),
                             str(path))
     assert ("not a specdec bundle" in line) or ("does not exist" in line), line

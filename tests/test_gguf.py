@@ -148,24 +148,9 @@ def test_truncated_gguf_is_one_error(tiny_gguf, tmp_path):
 
 def test_export_check_refuses_a_wrong_graph(tiny_gguf, tmp_path, monkeypatch):
     """One weight perturbed between writing and checking: the export refuses, and leaves no bundle behind."""
-    from specdec.export import gguf_export
+    from conftest import break_streamed_graphs
 
-    write = gguf_export.write_gguf_graph
-
-    def write_then_break(src, path, precision, progress=None):
-        spec = write(src, path, precision, progress)
-        import onnx
-
-        g = onnx.load_model(str(path), load_external_data=False)
-        norm = next(t for t in g.graph.initializer if t.name == "layers.1.post_norm")
-        arr = onnx.numpy_helper.to_array(norm, base_dir=str(path.parent)).copy()
-        arr[:8] *= 1.5
-        norm.CopyFrom(onnx.numpy_helper.from_array(arr, norm.name))
-        with open(path, "wb") as f:
-            f.write(g.SerializeToString())
-        return spec
-
-    monkeypatch.setattr(gguf_export, "write_gguf_graph", write_then_break)
+    break_streamed_graphs(monkeypatch)
     with pytest.raises(SpecdecError) as e:
         export_bundle(tiny_gguf, tmp_path / "b", ExportConfig(drafter="none", max_len=64))
     assert "disagrees with the reference forward" in str(e.value)

@@ -32,8 +32,9 @@ DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "layerskip", "eagle", "medusa"
 # carries a quantized GGUF's own codes (export/gguf_export.py); "auto" is "gguf" for a quantized GGUF whose drafter
 # the streaming export writes (GGUF_DRAFTERS), else fp32.
 EXPORT_PRECISIONS = ("auto", "fp32", "fp16", *TARGET_PRESETS, "gguf")
-# Drafters a streamed GGUF export writes: the lookup drafters, and a draft model given as a bundle or a GGUF file.
-# The others (self-int8/int4, layerskip, eagle, medusa) are built from the fp32 torch model.
+# Drafters a streamed export (a GGUF file, or a checkpoint folder's safetensors) writes: the lookup drafters, and a
+# draft model given as a bundle, a GGUF file or a checkpoint folder. The others (self-int8/int4, layerskip, eagle,
+# medusa) are built from the fp32 torch model.
 GGUF_DRAFTERS = ("none", "ngram")
 # A LayerSkip split (exit + tail) runs the target's own arithmetic: it may differ from the whole graph only by
 # kernel rounding (fp32 ~1e-5; fp16 and the weight-only kernels' fp32 accumulation ~1e-3).
@@ -72,6 +73,9 @@ class ExportConfig:
     # int8/int4 target with int8-activation kernels (FAST_TARGET_PRESETS): the fastest CPU graph; measured at export,
     # it runs every step with >= 2 tokens so that speculation stays token-identical (GraphSpec.min_step_tokens).
     fast_kernels: bool = False
+    # A checkpoint folder's safetensors streamed tensor by tensor (export/hf_source.py: bounded memory, no torch)
+    # where the drafter and precision allow it; False: loaded whole as a torch model, as every other combination is.
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in EXPORT_PRECISIONS:
@@ -99,7 +103,7 @@ class ExportConfig:
 
     @property
     def streams_gguf(self) -> bool:
-        """Whether a GGUF target with this drafter can be streamed (export/gguf_export.py)."""
+        """Whether a GGUF target (or a checkpoint folder) with this drafter can be streamed (export/gguf_export.py)."""
         return self.drafter in GGUF_DRAFTERS or self.drafter.startswith("model:")
 
     @property
@@ -141,11 +145,11 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
     out_dir = Path(out_dir)
     if out_dir.exists() and not cfg.force:
         raise SpecdecError(f"output folder {out_dir} already exists", "pass --force to replace it")
-    draft_bundle = draft_manifest = draft_gguf = None
+    draft_bundle = draft_manifest = draft_streamed = None
     if cfg.drafter.startswith("model:"):
         draft_bundle = Path(cfg.drafter.split(":", 1)[1])
-        if is_gguf(draft_bundle):
-            draft_gguf, draft_bundle = draft_bundle, None
+        if is_gguf(draft_bundle) or (not (draft_bundle / MANIFEST_NAME).exists() and _streams_checkpoint(draft_bundle)):
+            draft_streamed, draft_bundle = draft_bundle, None
         else:
             draft_manifest = read_manifest(draft_bundle)  # fail early, before the slow target load
 
@@ -162,7 +166,14 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         step(f"reading {model_path.name}")
         src = GGUFSource(model_path)  # read once: its metadata takes seconds to parse for a 150k vocabulary
         precision = ("gguf" if src.quantized else "fp32") if precision == "auto" else precision
-        return _export_gguf(src, out_dir, replace(cfg, precision=precision), step, draft_bundle, draft_gguf)
+        return _export_streamed(src, out_dir, replace(cfg, precision=precision), step, draft_bundle, draft_streamed)
+    if cfg.stream and _streams_checkpoint(model_path) and cfg.streams_gguf and precision in ("auto", "fp32", "fp16"):
+        from specdec.export.hf_source import SafetensorsSource
+
+        step(f"reading {model_path.name}")
+        src = SafetensorsSource(model_path)
+        precision = "fp32" if precision == "auto" else precision
+        return _export_streamed(src, out_dir, replace(cfg, precision=precision), step, draft_bundle, draft_streamed)
     cfg = replace(cfg, precision="fp32" if precision == "auto" else precision)
 
     step("loading model")
@@ -174,8 +185,8 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         cfg.layerskip.check_against(model_cfg.n_layers)
     if draft_manifest is not None:  # before any graph is written
         _check_same_vocab(draft_bundle, draft_manifest, vocab_digest(source.tokenizer.backend_tokenizer))
-    if draft_gguf is not None:
-        _check_gguf_draft_vocab(draft_gguf, vocab_digest(source.tokenizer.backend_tokenizer))
+    if draft_streamed is not None:
+        _check_streamed_draft_vocab(draft_streamed, vocab_digest(source.tokenizer.backend_tokenizer))
     weights = weights_from_torch(source.model)
     L = model_cfg.n_layers
     heads = medusa = None
@@ -287,8 +298,8 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             np.save(partial / "draft_vocab.npy", medusa.vocab)
             drafter = DrafterSpec(kind="medusa", draft_len=cfg.default_draft_len, heads="medusa.onnx",
                                   draft_vocab="draft_vocab.npy", calibration=medusa.meta.get("report", {}))
-        elif draft_bundle is not None or draft_gguf is not None:
-            graphs["draft"], drafter = _draft_model(partial, cfg, tok_spec, step, draft_bundle, draft_gguf)
+        elif draft_bundle is not None or draft_streamed is not None:
+            graphs["draft"], drafter = _draft_model(partial, cfg, tok_spec, step, draft_bundle, draft_streamed)
 
         from specdec.export.eagle import target_fingerprint
 
@@ -296,13 +307,14 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
 
 
 def _draft_model(partial: Path, cfg: ExportConfig, tok_spec: TokenizerSpec, step, draft_bundle: Path | None,
-                 draft_gguf: Path | None) -> tuple[GraphSpec, DrafterSpec]:
-    """The draft model's graph in the bundle (copied from a bundle, or streamed from a GGUF) and the drafter."""
+                 draft_streamed: Path | None) -> tuple[GraphSpec, DrafterSpec]:
+    """The draft model's graph in the bundle (copied from a bundle, or streamed from a GGUF file or checkpoint
+    folder) and the drafter."""
     if draft_bundle is not None:
         step(f"copying draft model from {draft_bundle}")
         graph = _copy_draft_bundle(draft_bundle, partial, tok_spec)
     else:
-        graph = _stream_gguf_draft(draft_gguf, partial, step)
+        graph = _stream_draft(draft_streamed, partial, step)
     return graph, DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
 
 
@@ -354,44 +366,55 @@ def _copy_draft_bundle(src: Path, dst: Path, target_tok: TokenizerSpec) -> Graph
                      inputs=g.inputs, outputs=g.outputs, hidden_layers=g.hidden_layers, quant=g.quant, checks=g.checks)
 
 
-def _gguf_tokenizer(path: Path, folder: Path, eos_id: int | None = None) -> TokenizerSpec:
-    """The GGUF's tokenizer saved into `folder` (gguf_source.save_tokenizer) and described; `eos_id`: the file's
-    tokenizer.ggml.eos_token_id, listed first."""
+def _streams_checkpoint(path: Path) -> bool:
+    """Whether `path` is a checkpoint folder whose safetensors export/hf_source.py streams."""
+    from specdec.export.hf_source import why_not_streamed
+
+    return path.is_dir() and (path / "config.json").is_file() and why_not_streamed(path) is None
+
+
+def _streamed_tokenizer(path: Path, folder: Path, eos_ids: tuple[int, ...] = ()) -> TokenizerSpec:
+    """The tokenizer of a GGUF file or checkpoint folder saved into `folder` (gguf_source.save_tokenizer) and
+    described; `eos_ids`: the model's own end-of-sequence ids (the GGUF's tokenizer.ggml.eos_token_id, config.json's
+    eos_token_id), listed first."""
     from tokenizers import Tokenizer
 
     from specdec.export.gguf_source import save_tokenizer
 
     info = save_tokenizer(path, folder)
     eos = []
-    for cand in (eos_id, info["eos"]):
+    for cand in (*eos_ids, info["eos"]):
         if cand is not None and int(cand) not in eos:
             eos.append(int(cand))
     if not eos:
-        raise SpecdecError(f"{path.name} defines no end-of-sequence token", "add tokenizer.ggml.eos_token_id to the GGUF")
+        raise SpecdecError(f"{path.name} defines no end-of-sequence token",
+                           "add its id (tokenizer.ggml.eos_token_id in a GGUF, eos_token_id in config.json)")
     return TokenizerSpec(file="tokenizer.json", bos_token_id=info["bos"], eos_token_ids=tuple(eos),
                          chat_template=info["chat_template"],
                          vocab_digest=vocab_digest(Tokenizer.from_file(str(folder / "tokenizer.json"))))
 
 
-def _check_gguf_draft_vocab(path: Path, target_digest: str) -> None:
-    """A draft GGUF must share the target's vocabulary: one error before any graph is written."""
+def _check_streamed_draft_vocab(path: Path, target_digest: str) -> None:
+    """A draft GGUF file or checkpoint folder must share the target's vocabulary: one error before any graph is
+    written."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        digest = _gguf_tokenizer(path, Path(tmp)).vocab_digest
+        digest = _streamed_tokenizer(path, Path(tmp)).vocab_digest
     if digest != target_digest:
         raise SpecdecError(f"draft model {path} has a different vocabulary from the target "
                            f"(vocab digest {digest[:12]} vs {target_digest[:12]})",
                            "a draft model must share the target's tokenizer")
 
 
-def _stream_gguf_draft(path: Path, partial: Path, step) -> GraphSpec:
-    """A draft model given as a GGUF file (vocabulary checked already), streamed at its own precision into
-    `draft/`."""
+def _stream_draft(path: Path, partial: Path, step) -> GraphSpec:
+    """A draft model given as a GGUF file or a checkpoint folder (vocabulary checked already), streamed into
+    `draft/`: a GGUF at its own precision, a checkpoint's safetensors as fp32."""
     from specdec.export.gguf_export import export_gguf_graph
     from specdec.export.gguf_source import GGUFSource
+    from specdec.export.hf_source import SafetensorsSource
 
-    src = GGUFSource(path)
+    src = GGUFSource(path) if is_gguf(path) else SafetensorsSource(path)
     precision = "gguf" if src.quantized else "fp32"
     (partial / "draft").mkdir(exist_ok=True)
     step(f"writing draft graph ({precision}) from {path.name}")
@@ -399,10 +422,11 @@ def _stream_gguf_draft(path: Path, partial: Path, step) -> GraphSpec:
     return replace(spec, file="draft/target.onnx")
 
 
-def _export_gguf(src, out_dir: Path, cfg: ExportConfig, step, draft_bundle: Path | None,
-                 draft_gguf: Path | None) -> Manifest:
-    """A GGUF target (gguf_source.GGUFSource) streamed tensor by tensor into the bundle (export/gguf_export.py):
-    bounded memory at any model size, the file's own quantized codes with precision "gguf"."""
+def _export_streamed(src, out_dir: Path, cfg: ExportConfig, step, draft_bundle: Path | None,
+                     draft_streamed: Path | None) -> Manifest:
+    """A GGUF target (gguf_source.GGUFSource) or a checkpoint folder's safetensors (hf_source.SafetensorsSource)
+    streamed tensor by tensor into the bundle (export/gguf_export.py): bounded memory at any model size, a GGUF's own
+    quantized codes with precision "gguf"."""
     from specdec.export.gguf_export import export_gguf_graph, gguf_fingerprint
 
     model_path = src.path
@@ -412,18 +436,18 @@ def _export_gguf(src, out_dir: Path, cfg: ExportConfig, step, draft_bundle: Path
     draft_manifest = read_manifest(draft_bundle) if draft_bundle is not None else None
     with staged_folder(out_dir) as partial:
         step("writing tokenizer")
-        tok_spec = _gguf_tokenizer(model_path, partial, src.field("tokenizer.ggml.eos_token_id"))
+        tok_spec = _streamed_tokenizer(model_path, partial, src.eos_token_ids)
         if draft_manifest is not None:  # before any graph is written
             _check_same_vocab(draft_bundle, draft_manifest, tok_spec.vocab_digest)
-        if draft_gguf is not None:
-            step(f"checking the vocabulary of draft model {draft_gguf.name}")
-            _check_gguf_draft_vocab(draft_gguf, tok_spec.vocab_digest)
+        if draft_streamed is not None:
+            step(f"checking the vocabulary of draft model {draft_streamed.name}")
+            _check_streamed_draft_vocab(draft_streamed, tok_spec.vocab_digest)
         step(f"writing target graph ({cfg.precision}, {model_cfg.n_layers} layers)")
         graphs = {"target": export_gguf_graph(src, partial / "target.onnx", cfg.precision, step)}
         drafter = DrafterSpec(kind="none", draft_len=cfg.default_draft_len)
         if cfg.drafter == "ngram":
             drafter = DrafterSpec(kind="ngram", max_ngram=cfg.max_ngram, draft_len=cfg.default_draft_len)
-        elif draft_bundle is not None or draft_gguf is not None:
-            graphs["draft"], drafter = _draft_model(partial, cfg, tok_spec, step, draft_bundle, draft_gguf)
+        elif draft_bundle is not None or draft_streamed is not None:
+            graphs["draft"], drafter = _draft_model(partial, cfg, tok_spec, step, draft_bundle, draft_streamed)
         return _write_manifest(partial, cfg, graphs, drafter, tok_spec, gguf_fingerprint(src), model_path, step)
 

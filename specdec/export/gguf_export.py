@@ -1,10 +1,11 @@
-"""A GGUF target (or draft model) streamed into a bundle graph with bounded memory.
+"""A GGUF target (or draft model) streamed into a bundle graph with bounded memory; the same for a Hugging Face
+safetensors checkpoint (export/hf_source.py), which is read through the same interface (export/streamed.py).
 
-The graph is written from tensor references: each layer is read from the memory-mapped GGUF, converted, and its
+The graph is written from tensor references: each layer is read from the memory-mapped file, converted, and its
 initializers appended to the graph's weight file before the next layer is read (export/external.py). With
 precision "gguf" the file's quantized weights are carried as their own codes (export/gguf_blocks.py): no second
 rounding. The check compares the written graph's logits with a numpy forward of the same weights
-(gguf_source.reference_logits), one layer resident at a time; the graph's session is closed before the reference
+(streamed.reference_logits), one layer resident at a time; the graph's session is closed before the reference
 runs, so the two never hold the model at once.
 """
 from __future__ import annotations
@@ -19,7 +20,8 @@ import numpy as np
 
 from specdec.errors import SpecdecError
 from specdec.export.external import ExternalData, save_streamed
-from specdec.export.gguf_source import GGUFSource, reference_logits
+from specdec.export.gguf_source import GGUFSource
+from specdec.export.streamed import fingerprint, reference_logits
 from specdec.export.graph import CONTROL_INPUTS, build_decoder_graph, kv_input_names, kv_output_names
 from specdec.runtime.manifest import ARGMAX_ROWS, LOGITS_ROWS, GraphSpec
 
@@ -159,14 +161,6 @@ def export_gguf_graph(src: GGUFSource, path: Path, precision: str, step: Callabl
     return spec
 
 
-def gguf_fingerprint(src: GGUFSource) -> str:
-    """export/eagle.py's target_fingerprint of the file's weights, dequantized (it keys the heads and corpora
-    specdec ships): computed from the few rows it reads, not from the whole model."""
-    import hashlib
-
-    w = src.weights(carry_codes=False)
-    h = hashlib.sha256()
-    for arr in (w.final_norm, src.float_rows("token_embd.weight", np.arange(64)), w.layers[0].qkv[:64],
-                w.layers[-1].down[:64]):
-        h.update(np.ascontiguousarray(arr, dtype=np.float32).tobytes())
-    return h.hexdigest()[:32]
+def gguf_fingerprint(src) -> str:
+    """export/eagle.py's target_fingerprint of a streamed source's weights (export/streamed.py's fingerprint)."""
+    return fingerprint(src)

@@ -1,13 +1,13 @@
 """A GGUF file read lazily: config from its metadata, weights one tensor at a time from the memory-mapped file.
 
-`GGUFSource.weights(carry=True)` gives the graph writer a DecoderWeights-like object whose layers are read when the
-writer reaches them: quantized tensors as their own codes (export/gguf_blocks.py's Carried), or, with carry=False,
-dequantized to float32. Nothing holds more than one layer's weights. `reference_logits` runs the same weights
-through a plain numpy forward, one layer resident at a time: the export's check of the graph it wrote.
+`GGUFSource.weights(carry_codes=True)` gives the graph writer a DecoderWeights-like object whose layers are read
+when the writer reaches them (export/streamed.py): quantized tensors as their own codes (export/gguf_blocks.py's
+Carried), or, with carry_codes=False, dequantized to float32. Nothing holds more than one layer's weights.
+`reference_logits` (export/streamed.py) runs the same weights through a plain numpy forward, one layer resident at
+a time: the export's check of the graph it wrote.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +16,7 @@ import numpy as np
 from specdec.errors import SpecdecError
 from specdec.export.gguf_blocks import CARRIED, FLOAT_TYPES, Carried, carry
 from specdec.export.graph import LayerWeights
+from specdec.export.streamed import LazyWeights
 from specdec.runtime.manifest import ModelConfig
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")  # pre-norm decoders with RMSNorm, rotary, GQA and SwiGLU
@@ -99,6 +100,11 @@ class GGUFSource:
         )
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        return () if eos is None else (int(eos),)
+
+    @property
     def rope_theta(self) -> float:
         return float(self.field(f"{self.arch}.rope.freq_base", 10000.0))
 
@@ -124,6 +130,16 @@ class GGUFSource:
                 if len(t.shape) == 2 and t.tensor_type.name not in CARRIED and t.tensor_type.name not in FLOAT_TYPES]
 
     # ------------------------------------------------------------------------------------------ tensors
+    embed_name, final_norm_name = "token_embd.weight", "output_norm.weight"
+
+    @property
+    def head_name(self) -> str | None:
+        """The LM head's tensor; None when tied to the embedding."""
+        return "output.weight" if "output.weight" in self.tensors else None
+
+    def quantized_tensor(self, name: str) -> bool:
+        return self.tensor(name).fmt not in FLOAT_TYPES
+
     def tensor(self, name: str) -> GGUFTensor:
         t = self.tensors[name]
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -164,7 +180,32 @@ class GGUFSource:
         w = self.floats(name)
         return np.ascontiguousarray((w if rows is None else w[rows]).T)
 
-    def weights(self, carry_codes: bool) -> "LazyWeights":
+    def layer(self, i: int, carry_codes: bool) -> LayerWeights:
+        """Layer i's weights: matrices as Carried codes (carry_codes, quantized types) or float32 [in, out]."""
+        cfg, p = self.config, f"blk.{i}."
+        perm_q = perm_k = None
+        if self.arch == "llama":
+            perm_q = _hf_unpermute(cfg.n_heads * cfg.head_dim, cfg.n_heads)
+            perm_k = _hf_unpermute(cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads)
+        q = self.matrix(p + "attn_q.weight", carry_codes, perm_q)
+        k = self.matrix(p + "attn_k.weight", carry_codes, perm_k)
+        v = self.matrix(p + "attn_v.weight", carry_codes)
+        bias = None
+        if p + "attn_q.bias" in self.tensors:
+            bias = np.concatenate([self.floats(p + "attn_q.bias"), self.floats(p + "attn_k.bias"),
+                                   self.floats(p + "attn_v.bias")])
+        return LayerWeights(
+            input_norm=self.floats(p + "attn_norm.weight"),
+            qkv=_cat_rows([q, k, v]),
+            qkv_bias=bias,
+            o_proj=self.matrix(p + "attn_output.weight", carry_codes),
+            post_norm=self.floats(p + "ffn_norm.weight"),
+            gate=self.matrix(p + "ffn_gate.weight", carry_codes),
+            up=self.matrix(p + "ffn_up.weight", carry_codes),
+            down=self.matrix(p + "ffn_down.weight", carry_codes),
+        )
+
+    def weights(self, carry_codes: bool) -> LazyWeights:
         return LazyWeights(self, carry_codes)
 
 
@@ -200,143 +241,9 @@ def _cat_rows(parts: list):
     return tuple(parts)
 
 
-class _Layers(Sequence):
-    def __init__(self, src: GGUFSource, carry_codes: bool) -> None:
-        self.src, self.carry = src, carry_codes
-        self.on_read = None  # called with the layer index as a layer is read (progress)
-
-    def __len__(self) -> int:
-        return self.src.config.n_layers
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
-            raise IndexError(i)
-        i %= len(self)
-        self.src.release()
-        if self.on_read is not None:
-            self.on_read(i)
-        s, cfg, p = self.src, self.src.config, f"blk.{i}."
-        perm_q = perm_k = None
-        if s.arch == "llama":
-            perm_q = _hf_unpermute(cfg.n_heads * cfg.head_dim, cfg.n_heads)
-            perm_k = _hf_unpermute(cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads)
-        q = s.matrix(p + "attn_q.weight", self.carry, perm_q)
-        k = s.matrix(p + "attn_k.weight", self.carry, perm_k)
-        v = s.matrix(p + "attn_v.weight", self.carry)
-        bias = None
-        if p + "attn_q.bias" in s.tensors:
-            bias = np.concatenate([s.floats(p + "attn_q.bias"), s.floats(p + "attn_k.bias"), s.floats(p + "attn_v.bias")])
-        return LayerWeights(
-            input_norm=s.floats(p + "attn_norm.weight"),
-            qkv=_cat_rows([q, k, v]),
-            qkv_bias=bias,
-            o_proj=s.matrix(p + "attn_output.weight", self.carry),
-            post_norm=s.floats(p + "ffn_norm.weight"),
-            gate=s.matrix(p + "ffn_gate.weight", self.carry),
-            up=s.matrix(p + "ffn_up.weight", self.carry),
-            down=s.matrix(p + "ffn_down.weight", self.carry),
-        )
-
-
-class LazyWeights:
-    """export/graph.py's DecoderWeights, read from the file as the writer asks: `layers[i]` reads layer i."""
-
-    def __init__(self, src: GGUFSource, carry_codes: bool) -> None:
-        self.src, self.carry = src, carry_codes
-        self.layers = _Layers(src, carry_codes)
-        self.inv_freq = src.inv_freq()
-        self.rope_scale = 1.0
-        self.final_norm = src.floats("output_norm.weight")
-
-    @property
-    def tied(self) -> bool:
-        return "output.weight" not in self.src.tensors
-
-    def _carries(self, name: str) -> bool:
-        return self.carry and self.src.tensor(name).fmt not in FLOAT_TYPES
-
-    @property
-    def head_carried(self) -> bool:
-        return self._carries("token_embd.weight" if self.tied else "output.weight")
-
-    @property
-    def embed_carried(self) -> bool:
-        return self._carries("token_embd.weight")
-
-    @property
-    def embed(self):
-        """[V, D]: Carried codes (carry) or float32."""
-        if self.embed_carried:
-            return self.src.matrix("token_embd.weight", True)
-        return self.src.floats("token_embd.weight")
-
-    @property
-    def lm_head(self):
-        """None when tied to the embedding; else Carried codes [V, D] or float32 [D, V]."""
-        if self.tied:
-            return None
-        return self.src.matrix("output.weight", self.carry)
-
-
-# ---------------------------------------------------------------------------------------- reference forward
-
-def _rms(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
-    return (x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps)).astype(np.float32) * g
-
-
-def reference_logits(src: GGUFSource, ids: np.ndarray) -> np.ndarray:
-    """Logits [n, V] of token ids [n] (positions 0..n-1) from the file's weights, dequantized as the kernels read
-    them (carried formats through Carried.dequantize, the others through gguf's own dequantization), by a float32
-    numpy forward written from the architecture's definition: one layer resident at a time, the LM head in slices
-    of rows."""
-    cfg = src.config
-    w = src.weights(carry_codes=False)
-    N, KV, H, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps
-    n = len(ids)
-    x = src.float_rows("token_embd.weight", ids)  # [n, D]
-    ang = np.arange(n, dtype=np.float64)[:, None] * w.inv_freq.astype(np.float64)[None, :]  # [n, H/2]
-    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-    def rope(t: np.ndarray) -> np.ndarray:  # [heads, n, H], halves rotated (non-interleaved)
-        a, b_ = t[..., : H // 2], t[..., H // 2:]
-        return np.concatenate([a * cos - b_ * sin, b_ * cos + a * sin], axis=-1)
-
-    mask = np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)
-    for i in range(cfg.n_layers):
-        lw = w.layers[i]
-        h = _rms(x, lw.input_norm, eps)
-        qkv = h @ lw.qkv  # [n, (N+2KV)H]
-        if lw.qkv_bias is not None:
-            qkv = qkv + lw.qkv_bias
-        q = rope(qkv[:, : N * H].reshape(n, N, H).transpose(1, 0, 2))  # [N, n, H]
-        k = rope(qkv[:, N * H:(N + KV) * H].reshape(n, KV, H).transpose(1, 0, 2))  # [KV, n, H]
-        v = qkv[:, (N + KV) * H:].reshape(n, KV, H).transpose(1, 0, 2)  # [KV, n, H]
-        rep = N // KV
-        k, v = np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0)  # [N, n, H]
-        scores = q @ k.transpose(0, 2, 1) * np.float32(H ** -0.5) + mask  # [N, n, n]
-        scores = np.exp(scores - scores.max(-1, keepdims=True))
-        attn = (scores / scores.sum(-1, keepdims=True)) @ v  # [N, n, H]
-        x = x + attn.transpose(1, 0, 2).reshape(n, N * H) @ lw.o_proj
-        h = _rms(x, lw.post_norm, eps)
-        gate, up = h @ lw.gate, h @ lw.up  # [n, F]
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ lw.down
-        del lw
-    h = _rms(x, w.final_norm, eps)  # [n, D]
-    name = "output.weight" if "output.weight" in src.tensors else "token_embd.weight"
-    V = cfg.vocab_size
-    logits = np.empty((n, V), dtype=np.float32)
-    step = 8192
-    for r0 in range(0, V, step):  # [rows, D] slices: the head is never dequantized whole
-        rows = np.arange(r0, min(V, r0 + step))
-        logits[:, rows] = h @ src.float_rows(name, rows).T
-    return logits
-
-
-
 def load_tokenizer(path: Path):
-    """The GGUF's tokenizer as a transformers fast tokenizer (its metadata only; no tensor is read)."""
+    """The tokenizer of a GGUF file (its metadata only; no tensor is read) or of a Hugging Face checkpoint folder
+    (its tokenizer files, as the torch export reads them), as a transformers fast tokenizer."""
     import os
 
     os.environ.setdefault("TQDM_DISABLE", "1")
@@ -345,7 +252,10 @@ def load_tokenizer(path: Path):
 
     transformers.logging.set_verbosity_error()
     try:
-        tok = AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+        if Path(path).is_dir():
+            tok = AutoTokenizer.from_pretrained(str(path))
+        else:
+            tok = AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
     except Exception as e:
         raise SpecdecError(f"cannot read the tokenizer of {path}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}",
                            "the file may be truncated or corrupt, or carry a tokenizer transformers cannot convert") from None
@@ -369,9 +279,10 @@ def _save_tokenizer_main(path: str, folder: str) -> None:
 
 
 def save_tokenizer(path: Path, folder: Path) -> dict:
-    """Write the GGUF's tokenizer as `folder`/tokenizer.json; return {bos, eos, chat_template}. The conversion
-    (transformers, and the torch it imports: ~0.3 GB resident, ~0.8 GB at its peak for a 150k vocabulary) runs in a
-    child process, so the export's own memory stays what the weights need."""
+    """Write the tokenizer of a GGUF file or checkpoint folder (load_tokenizer) as `folder`/tokenizer.json; return
+    {bos, eos, chat_template}. The conversion (transformers, and the torch it imports: ~0.3 GB resident, ~0.8 GB at
+    its peak for a 150k vocabulary) runs in a child process, so the export's own memory stays what the weights
+    need."""
     import json
     import subprocess
     import sys
