@@ -8,7 +8,8 @@ budget goes to the contenders. A greedy configuration whose output differs from 
 is dropped at once: the device's kernels are not exact for its step widths (`specdec verify` says where).
 The budget is checked between prompts: every configuration still in the race has run the same prompts.
 
-The winner (highest end-to-end tok/s among those left) is written to the bundle for this machine key
+The winner (highest end-to-end tok/s among those left, unless the bundle's own default is within MARGIN of it) is
+written to the bundle for this machine key
 (runtime/tuned.py); engines not told a drafter then use it.
 """
 from __future__ import annotations
@@ -29,6 +30,9 @@ from specdec.runtime.tuned import TunedChoice
 
 LENGTHS = (3, 5, "auto")
 DROP_BELOW = 0.8
+# The bundle's own default stays unless a challenger beats it by this much: end-to-end tok/s of configurations a
+# few percent apart swap places from one run to the next on the same machine.
+MARGIN = 0.03
 FIRST_ROUND = 2  # prompts in the first round; each round doubles
 TUNE_TOKENS = 96  # new tokens per prompt
 SAMPLED = SamplingConfig(temperature=0.7, top_p=0.95)
@@ -92,8 +96,9 @@ def candidate_configs(manifest: Manifest) -> list[BenchConfig]:
 
 def run_tune(configs: list[BenchConfig], prompts: list[list[dict]], measure: Measure, budget_s: float,
              greedy: bool = True, clock: Callable[[], float] = time.perf_counter,
-             on_prompt: Callable[[int, int], None] | None = None) -> TuneResult:
-    """Race `configs` over `prompts` within `budget_s` (see the module's docstring for the rules)."""
+             on_prompt: Callable[[int, int], None] | None = None, incumbent: BenchConfig | None = None) -> TuneResult:
+    """Race `configs` over `prompts` within `budget_s` (see the module's docstring for the rules); `incumbent` (the
+    bundle's own default) wins unless another configuration is MARGIN faster."""
     if not configs or configs[0].drafter != "none":
         raise ValueError("the first configuration must be plain decoding (the baseline)")
     trials = [Trial(c) for c in configs]
@@ -136,6 +141,9 @@ def run_tune(configs: list[BenchConfig], prompts: list[list[dict]], measure: Mea
                            f"give at least --minutes {need / 60:.1f}, or fewer --new-tokens")
     survivors = [t for t in trials if t.dropped is None and len(t.per_prompt) == done]
     winner = max(survivors, key=lambda t: t.tok_s)
+    held = next((t for t in survivors if t.config == incumbent), None)
+    if held is not None and winner.tok_s < (1 + MARGIN) * held.tok_s:
+        winner = held
     return TuneResult(trials=trials, prompts=done, rounds=rounds, seconds=clock() - start, winner=winner)
 
 

@@ -15,7 +15,7 @@ from specdec.runtime.batched import BatchedEngine
 from specdec.runtime.engine import Engine
 from specdec.runtime.session import RuntimeOptions
 from specdec.runtime.tuned import TUNED_FILE, TunedChoice, read_tuned, write_tuned
-from specdec.tune import DROP_BELOW, candidate_configs, read_prompts, run_tune
+from specdec.tune import DROP_BELOW, MARGIN, candidate_configs, read_prompts, run_tune
 
 PLAIN = BenchConfig("none", 0)
 PROMPTS = [[{"role": "user", "content": f"question {i}"}] for i in range(40)]
@@ -38,8 +38,9 @@ class FakeDevice:
         return ids, secs, 25, 25
 
 
-def race(device: FakeDevice, configs, budget_s: float = 1e9, greedy: bool = True):
-    return run_tune(configs, PROMPTS, device.measure, budget_s, greedy=greedy, clock=device.clock)
+def race(device: FakeDevice, configs, budget_s: float = 1e9, greedy: bool = True, incumbent=None):
+    return run_tune(configs, PROMPTS, device.measure, budget_s, greedy=greedy, clock=device.clock,
+                    incumbent=incumbent)
 
 
 def test_the_fastest_configuration_wins_and_losers_are_dropped_by_the_stated_rule():
@@ -58,6 +59,14 @@ def test_the_fastest_configuration_wins_and_losers_are_dropped_by_the_stated_rul
     choice = result.choice(sampled=False)
     assert (choice.drafter, choice.draft_len, choice.speedup) == ("ngram", "auto", pytest.approx(1.7))
     assert DROP_BELOW == 0.8
+
+
+def test_the_bundles_default_stays_unless_beaten_by_the_margin():
+    configs = [PLAIN, BenchConfig("corpus", "auto"), BenchConfig("corpus", 3)]
+    near = FakeDevice({"plain": 100, "corpus:auto": 120, "corpus:3": 120 * (1 + MARGIN) - 0.5})
+    assert race(near, configs, incumbent=configs[1]).winner.config == configs[1]
+    far = FakeDevice({"plain": 100, "corpus:auto": 120, "corpus:3": 120 * (1 + MARGIN) + 0.5})
+    assert race(far, configs, incumbent=configs[1]).winner.config == configs[2]
 
 
 def test_plain_wins_where_nothing_pays():

@@ -32,9 +32,10 @@ def tune(bundle, prompts_path, minutes, new_tokens, sampled, dry_run, device, th
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
 
-    from specdec.runtime.engine import Engine
+    from specdec.benchmark import BenchConfig
+    from specdec.runtime.engine import Engine, default_drafter
     from specdec.runtime.tuned import write_tuned
-    from specdec.tune import (DROP_BELOW, SAMPLED, candidate_configs, default_prompts, engine_measure, plot, read_prompts,
+    from specdec.tune import (DROP_BELOW, MARGIN, SAMPLED, candidate_configs, default_prompts, engine_measure, plot, read_prompts,
                               render_table, run_tune)
     from specdec.runtime.sampling import SamplingConfig
 
@@ -42,6 +43,10 @@ def tune(bundle, prompts_path, minutes, new_tokens, sampled, dry_run, device, th
     runtime, max_len, _ = device_runtime(device, bundle, None, max_len, threads, drafter="model")
     engine = Engine(bundle, max_len=max_len, runtime=runtime, drafter="none")
     configs = candidate_configs(engine.manifest)
+    m = engine.manifest
+    incumbent = BenchConfig(default_drafter(m), m.drafter.draft_len if default_drafter(m) != "none" else 0)
+    if incumbent not in configs:  # the bundle's own default races too, at its own draft length
+        configs.append(incumbent)
     sampling = SAMPLED if sampled else SamplingConfig()
     click.echo(f"- {len(configs)} configurations ({', '.join(c.name for c in configs)}), up to {len(prompts)} "
                f"prompts, {minutes:g} min", err=True)
@@ -49,10 +54,12 @@ def tune(bundle, prompts_path, minutes, new_tokens, sampled, dry_run, device, th
                   TimeRemainingColumn(), disable=not sys.stderr.isatty(), console=Console(stderr=True)) as progress:
         task = progress.add_task("tuning", total=len(prompts))
         result = run_tune(configs, prompts, engine_measure(engine, new_tokens, sampling), 60 * minutes,
-                          greedy=sampling.greedy, on_prompt=lambda done, total: progress.update(task, completed=done))
+                          greedy=sampling.greedy, on_prompt=lambda done, total: progress.update(task, completed=done),
+                          incumbent=incumbent)
     mode = "sampled" if sampled else "greedy"
     Console().print(render_table(result, f"specdec tune ({mode}, {new_tokens} new tokens, {result.prompts} prompts, "
-                                         f"{result.seconds:.0f} s; dropped below {DROP_BELOW:.0%} of the best)"))
+                                         f"{result.seconds:.0f} s; dropped below {DROP_BELOW:.0%} of the best; the bundle's "
+                                         f"default {incumbent.name} kept unless beaten by {MARGIN:.0%})"))
     choice = result.choice(sampled)
     if dry_run:
         click.echo(f"winner: {result.winner.config.name} ({choice.speedup:.2f}x plain); --dry-run: nothing recorded")

@@ -341,6 +341,9 @@ class BatchedEngine:
         self._corpus_drafter = corpus_drafter(self.path, m) if self.drafter_kind == "corpus" else None
         # (target step seconds by width 1..k_max+1, draft step seconds at width 1, at width 2), full batch
         self._costs: tuple[list[float], float, float] | None = None
+        # target step seconds by width when one row is active: it runs at batch 1 (_RowBinding), where a wider
+        # step costs far less than B rows of it; None where rows have no batch-1 binding (GPU providers)
+        self._single_costs: list[float] | None = None
 
     def _decoder(self, name: str) -> Decoder:
         g = self.manifest.graphs[name]
@@ -380,6 +383,11 @@ class BatchedEngine:
             step()
         cost = [median_seconds(steps[t]) for t in timed]
         verify = [float(v) for v in np.interp(np.arange(1, n + 1), timed, cost)]
+        row = int(np.argmin(kv.lengths))
+        if self.target.rows is not None and kv.max_len - int(kv.lengths[row]) >= n:
+            one = [median_seconds(lambda t=t: self.target.rows[row].forward([0] * t, choices_only=True))
+                   for t in timed]
+            self._single_costs = [float(v) for v in np.interp(np.arange(1, n + 1), timed, one)]
         draft1 = draft2 = 0.0
         if self.draft_model is not None:
             dec = self.draft_model.dec.decoder
@@ -494,7 +502,8 @@ class BatchedEngine:
         row.t_decode = time.perf_counter()
         return row
 
-    def _auto_widths(self, rows: dict[int, _Row], limit: int, drafts: dict[int, Draft]) -> dict[int, int]:
+    def _auto_widths(self, rows: dict[int, _Row], limit: int, drafts: dict[int, Draft],
+                     alone: bool = False) -> dict[int, int]:
         """draft_len "auto" for a batch: one draft count m for the round, maximising the batch's expected tokens
         per second, sum over rows of (1 - a_r^(m_r+1)) / (1 - a_r), over the measured cost of a full-batch step
         of width m+1 plus m full-batch draft steps (the first at width 2). The width is shared: one row drafting 8 makes every row pay for 9
@@ -503,6 +512,8 @@ class BatchedEngine:
         lookup found); their drafts, cut to m_r, are put in `drafts`. Returns each row's draft count.
         """
         verify_s, draft1_s, draft2_s = self._costs
+        if alone and self._single_costs is not None:  # the only active row: its step runs at batch 1
+            verify_s = self._single_costs
         k_max = min(len(verify_s) - 1, limit)
         found = {r: k_max for r in rows}
         if self.draft_model is None:
@@ -542,7 +553,7 @@ class BatchedEngine:
               for r, row in rows.items()}
         drafts: dict[int, Draft] = {}
         if auto:
-            ks.update(self._auto_widths({r: rows[r] for r in auto}, limit, drafts))
+            ks.update(self._auto_widths({r: rows[r] for r in auto}, limit, drafts, alone=len(rows) == 1))
         if self.draft_model is not None:
             want = {r: (rows[r].context, k, rows[r].cfg.sampling, rows[r].rng) for r, k in ks.items() if k > 0}
             drafts = self.draft_model.propose(want) if want else {}
