@@ -357,6 +357,11 @@ class BatchedEngine:
         draft_len = self.manifest.drafter.draft_len if cfg.draft_len is None else cfg.draft_len
         return choose_policy(draft_len, self.drafter_kind != "none", self._cached_costs)
 
+    def calibrate(self) -> None:
+        """Time the step widths "auto" weighs now (a server before it takes requests), not during the first request."""
+        if self.drafter_kind != "none":
+            self._cached_costs()
+
     def _cached_costs(self) -> tuple[list[float], float, float]:
         if self._costs is None:
             self._costs = self._measure_costs()

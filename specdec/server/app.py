@@ -300,6 +300,9 @@ def serve_bundle(bundle: Path, host: str, port: int, max_batch: int, options: Se
     if host not in LOOPBACK and options.api_key is None:
         echo(f"warning: serving on {host} without --api-key: anyone who can reach this machine can use the model")
     engine = BatchedEngine(bundle, max_batch, max_len=max_len, runtime=runtime, drafter=drafter)
+    if options.draft_len == "auto":
+        echo("- timing the target's step widths for --draft-len auto")
+        engine.calibrate()  # seconds on a large model: paid here, not by the first request
     echo(f"- {bundle}: {engine.drafter_kind} drafter, draft length {options.draft_len}, {max_batch} rows of "
          f"{engine.max_len} tokens; OpenAI API at http://{host}:{port}/v1, chat page at http://{host}:{port}/")
     run_server(lambda: engine, options, host, port, log_level="warning")
