@@ -79,8 +79,8 @@ def import_ray() -> Any:
 
 def plan_workers(spec: EngineSpec, opts: RayOptions, n_pending: int, cluster: dict[str, float]) -> WorkerPlan:
     """Workers and their resources from the cluster's (ray.cluster_resources()) and the runtime options."""
-    # ORT sizes one global thread pool per process (session.py); each worker is its own process, so its pool
-    # is sized to the CPUs Ray reserves for it and workers never oversubscribe a node. --threads 0 ("all
+    # ORT sizes one global thread pool per process (see runtime/session.py); each worker is its own process, so its
+    # pool is sized to the CPUs Ray reserves for it and workers never oversubscribe a node. --threads 0 ("all
     # cores" locally) means one CPU per worker here: one worker per CPU slot.
     num_cpus = spec.runtime.threads or 1
     on_gpu = spec.runtime.provider != "cpu"

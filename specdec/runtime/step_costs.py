@@ -39,13 +39,18 @@ def default_path() -> Path:
     return cache_dir() / "step_costs.json"
 
 
-def cost_key(manifest: Manifest, drafter: str, opts: RuntimeOptions) -> str:
-    """What the costs depend on: the bundle's files, the drafter, the provider and threads, this machine and
-    onnxruntime's version."""
-    parts = [json.dumps(sorted(manifest.files.items())), drafter, opts.provider, str(opts.device_id),
+def machine_key(manifest: Manifest, opts: RuntimeOptions, *extra: str) -> str:
+    """What a timing on this device depends on: the bundle's files, the provider, device and threads, this machine
+    and onnxruntime's version (and `extra`)."""
+    parts = [json.dumps(sorted(manifest.files.items())), *extra, opts.provider, str(opts.device_id),
              str(opts.threads or os.cpu_count()), platform.node(), platform.machine(), platform.processor(),
              ort.__version__]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def cost_key(manifest: Manifest, drafter: str, opts: RuntimeOptions) -> str:
+    """The costs depend on the drafter too."""
+    return machine_key(manifest, opts, drafter)
 
 
 class StepCostCache:

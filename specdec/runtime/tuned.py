@@ -9,7 +9,6 @@ among lossless configurations, so it changes speed, never a greedy output.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -20,6 +19,7 @@ import onnxruntime as ort
 
 from specdec.runtime.manifest import Manifest
 from specdec.runtime.session import RuntimeOptions
+from specdec.runtime.step_costs import machine_key
 
 TUNED_FILE = "tuned.json"
 FORMAT = "specdec-tuned"
@@ -39,13 +39,6 @@ class TunedChoice:
         if not isinstance(self.drafter, str) or not (self.draft_len == "auto" or
                                                      (isinstance(self.draft_len, int) and self.draft_len >= 0)):
             raise ValueError(f"not a tuned choice: {self.drafter!r}, {self.draft_len!r}")
-
-
-def machine_key(manifest: Manifest, opts: RuntimeOptions) -> str:
-    parts = [json.dumps(sorted(manifest.files.items())), opts.provider, str(opts.device_id),
-             str(opts.threads or os.cpu_count()), platform.node(), platform.machine(), platform.processor(),
-             ort.__version__]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
 def _entries(bundle: Path) -> dict:
