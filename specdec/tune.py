@@ -3,7 +3,8 @@
 Every configuration the bundle can run (plain decoding; each drafter it holds at fixed draft lengths and "auto")
 runs on the same prompts, interleaved prompt by prompt so that drift of the machine's speed hits all alike.
 Rounds double the prompts (2, 4, 8, ...). After each round a configuration below DROP_BELOW of the best one's
-tokens per second is dropped (plain decoding is never dropped: it is the baseline of every speed-up), so the
+tokens per second is dropped (plain decoding, the baseline of every speed-up, and the bundle's own default, which
+keeps its place unless beaten by MARGIN over the whole race, never are), so the
 budget goes to the contenders. A greedy configuration whose output differs from plain decoding's on any prompt
 is dropped at once: the device's kernels are not exact for its step widths (`specdec verify` says where).
 The budget is checked between prompts: every configuration still in the race has run the same prompts.
@@ -130,8 +131,8 @@ def run_tune(configs: list[BenchConfig], prompts: list[list[dict]], measure: Mea
         rounds += 1
         alive = [t for t in trials if t.dropped is None]
         best = max(t.tok_s for t in alive)
-        for t in alive:
-            if t.config.drafter != "none" and t.tok_s < DROP_BELOW * best:
+        for t in alive:  # plain (the baseline) and the incumbent (the margin needs its full figure) always stay
+            if t.config.drafter != "none" and t.config != incumbent and t.tok_s < DROP_BELOW * best:
                 t.dropped = f"round {rounds}: {t.tok_s / best:.2f}x the best"
         size *= 2
     if done < min(FIRST_ROUND, len(prompts)):

@@ -67,6 +67,11 @@ def test_the_bundles_default_stays_unless_beaten_by_the_margin():
     assert race(near, configs, incumbent=configs[1]).winner.config == configs[1]
     far = FakeDevice({"plain": 100, "corpus:auto": 120, "corpus:3": 120 * (1 + MARGIN) + 0.5})
     assert race(far, configs, incumbent=configs[1]).winner.config == configs[2]
+    # the incumbent is never dropped: a slow first round cannot take it out of the race
+    slow = FakeDevice({"plain": 100, "corpus:auto": 60, "corpus:3": 120})
+    result = race(slow, configs, incumbent=configs[1])
+    assert next(t for t in result.trials if t.config == configs[1]).dropped is None
+    assert result.winner.config == configs[2]
 
 
 def test_plain_wins_where_nothing_pays():
