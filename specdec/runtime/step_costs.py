@@ -48,6 +48,18 @@ def machine_key(manifest: Manifest, opts: RuntimeOptions, *extra: str) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
+def read_entries(path: Path, fmt: str, version: int) -> dict:
+    """The "entries" of a small keyed JSON record of this format and version; {} for anything unreadable."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("format") != fmt or data.get("version") != version:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
 def cost_key(manifest: Manifest, drafter: str, opts: RuntimeOptions) -> str:
     """The costs depend on the drafter too."""
     return machine_key(manifest, opts, drafter)
@@ -58,14 +70,7 @@ class StepCostCache:
         self.path = Path(path) if path is not None else default_path()
 
     def _entries(self) -> dict:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
-            return {}
-        entries = data.get("entries")
-        return entries if isinstance(entries, dict) else {}
+        return read_entries(self.path, FORMAT, VERSION)
 
     def load(self, key: str) -> tuple[list[float], float] | None:
         """(target step seconds by width 1..n, draft step seconds), or None if not cached (or not valid)."""

@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from specdec.runtime.manifest import Manifest
 from specdec.runtime.session import RuntimeOptions
-from specdec.runtime.step_costs import machine_key
+from specdec.runtime.step_costs import machine_key, read_entries
 
 TUNED_FILE = "tuned.json"
 FORMAT = "specdec-tuned"
@@ -42,14 +42,7 @@ class TunedChoice:
 
 
 def _entries(bundle: Path) -> dict:
-    try:
-        data = json.loads((Path(bundle) / TUNED_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
-        return {}
-    entries = data.get("entries")
-    return entries if isinstance(entries, dict) else {}
+    return read_entries(Path(bundle) / TUNED_FILE, FORMAT, VERSION)
 
 
 def read_tuned(bundle: Path, manifest: Manifest, opts: RuntimeOptions) -> TunedChoice | None:
