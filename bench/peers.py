@@ -128,11 +128,21 @@ def _cpu_busy_s() -> float | None:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
+_HELPER_PIDS: list[int] = []  # processes a peer runs on (llama-server): their CPU time is the peer's own
+
+
 def _own_cpu_s() -> float:
     import resource
 
     r = resource.getrusage(resource.RUSAGE_SELF)  # all threads of this process
-    return r.ru_utime + r.ru_stime
+    own = r.ru_utime + r.ru_stime
+    for pid in _HELPER_PIDS:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            own += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return own
 
 
 def _wait_for_idle(max_wait_s: float, max_other_cores: float, window_s: float = 1.0) -> float:
@@ -402,6 +412,7 @@ def load_llamaserver(spec: dict):
         settings.update(spec_type="ngram-mod")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _HELPER_PIDS.append(proc.pid)
     import atexit
 
     atexit.register(proc.kill)
@@ -714,7 +725,7 @@ def run(args) -> dict:
             "model": {"gguf": str(gguf), "hf_checkpoint": str(hf_dir), "draft_gguf": args.draft_gguf},
             "questions": str(args.questions), "limit_per_category": args.limit, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, "threads": args.threads, "lookup_k": args.lookup_k,
-            "ngram": args.ngram, "eos_ids": eos_ids, "schedule": args.schedule,
+            "ngram": args.ngram, "eos_ids": eos_ids, "schedule": args.schedule, "reference": args.reference,
             "contention": {"max_others": args.max_others, "retries": args.retries,
                            "retry_wait_s": args.retry_wait},
             "definitions": (
@@ -1009,6 +1020,93 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+_ENGINE_LABELS = {
+    "hf": "transformers `generate`, fp32",
+    "hf-lookup": "transformers `generate`, prompt lookup",
+    "llamacpp": "llama-cpp-python (its Python loop), plain",
+    "llamacpp-lookup": "llama-cpp-python, prompt lookup",
+    "genai": "onnxruntime-genai, fp32",
+    "genai-lookup": "onnxruntime-genai, fp32, n-gram speculation",
+    "genai-int4": "onnxruntime-genai, int4 re-rounded by its builder",
+    "genai-int4-lookup": "onnxruntime-genai, int4 re-rounded, n-gram speculation",
+    "llama-server": "llama.cpp `llama-server`, plain",
+    "llama-server-draft": "llama.cpp, draft model (`--spec-type draft-simple`)",
+    "llama-server-ngram": "llama.cpp, `--spec-type ngram-mod`",
+}
+_DRAFTER_LABELS = {"none": "plain", "ngram": "prompt lookup", "corpus": "corpus lookup", "model": "draft model",
+                   "hybrid": "corpus + draft model", "eagle": "EAGLE head", "medusa": "Medusa heads",
+                   "layerskip": "LayerSkip exit", "tuned": "its tuned choice"}
+
+
+def engine_label(name: str) -> str:
+    """A peer's name as a reader of the README knows it."""
+    if name in _ENGINE_LABELS:
+        return _ENGINE_LABELS[name]
+    head, _, rest = name.partition(":")
+    if head.startswith("specdec"):
+        drafter = rest.split(":")[0] or "none"
+        label = _DRAFTER_LABELS.get(drafter, drafter)
+        return f"specdec, {label}" + ("" if drafter == "none" else f" (`{rest}`)")
+    return name
+
+
+def format_markdown(result: dict, baseline: str = "llama-server") -> str:
+    """The comparison as one markdown table (the README's): whole-answer and decode speed, time to the first
+    token, peak RSS, speed against `baseline`, and whether the greedy output equals the reference peer's."""
+    peers = {n: e for n, e in result["peers"].items() if e.get("overall")}
+    base = (peers.get(baseline) or {}).get("overall", {}).get("tok_s")
+    ref = result.get("meta", {}).get("reference")
+    head = ["engine", "tok/s (whole answers)", "decode tok/s", "time to first token", "peak RSS"]
+    if base:
+        head.append(f"vs {engine_label(baseline).split(',')[0]}")
+    if ref in peers:
+        head.append(f"same tokens as {engine_label(ref)}")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, e in peers.items():
+        o = e["overall"]
+        row = [engine_label(name), f"{o['tok_s']:.1f}", f"{o['decode_tok_s']:.1f}", f"{o['mean_ttft_s']:.2f} s",
+               f"{e['peak_rss_mb']:,.0f} MB" if e.get("peak_rss_mb") else "-"]
+        if base:
+            row.append(f"{o['tok_s'] / base:.2f}x")
+        if ref in peers:
+            agree = (e.get("agreement") or {}).get("vs_" + ref, {}).get("identical")
+            row.append("(reference)" if name == ref else (f"{agree} prompts" if agree else "-"))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plot_png(result: dict, path: Path, baseline: str = "llama-server") -> None:
+    """Bars of whole-answer and decode tok/s per engine (needs the `plot` extra: matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peers = {n: e for n, e in result["peers"].items() if e.get("overall")}
+    names = list(peers)
+    whole = [peers[n]["overall"]["tok_s"] for n in names]
+    decode = [peers[n]["overall"]["decode_tok_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(names) + 1.4))
+    y = list(range(len(names)))
+    colors = ["#d62728" if n.startswith("specdec") else "#7f7f7f" for n in names]
+    ax.barh([v + 0.2 for v in y], whole, height=0.4, color=colors, label="whole answers (incl. prefill)")
+    ax.barh([v - 0.2 for v in y], decode, height=0.4, color=colors, alpha=0.45, label="decode only")
+    for v, w in zip(y, whole):
+        ax.text(w, v + 0.2, f" {w:.0f}", va="center", fontsize=8)
+    if baseline in peers:
+        ax.axvline(peers[baseline]["overall"]["tok_s"], color="black", lw=0.8, ls="--")
+    ax.set_yticks(y, [engine_label(n).replace("`", "") for n in names], fontsize=8)
+    ax.invert_yaxis()
+    meta = result.get("meta", {})
+    model = Path(str(meta.get("model", {}).get("gguf", ""))).name
+    ax.set_xlabel("tokens per second (greedy, 2 threads)")
+    ax.set_title(f"{model}: {len(result.get('prompts', []))} Spec-Bench questions, "
+                 f"{meta.get('max_new_tokens')} new tokens", fontsize=9)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def dumps(obj, flat_depth: int = 4, _depth: int = 0, _indent: str = "") -> str:
     """JSON with one line per object from `flat_depth` down (a per-prompt row is one line)."""
     scalars = isinstance(obj, list) and all(not isinstance(v, (dict, list)) for v in obj)
@@ -1053,8 +1151,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "peers.json"))
     ap.add_argument("--keep-tokens", action="store_true", help="store every generated token id in the JSON")
     ap.add_argument("--table", action="store_true", help="print the table to stdout (default: when a TTY)")
+    ap.add_argument("--markdown", action="store_true", help="print the comparison as a markdown table")
+    ap.add_argument("--baseline", default="llama-server", help="peer the markdown table's ratios are against")
+    ap.add_argument("--plot", default=None, help="write a PNG bar chart of the comparison here")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="run nothing: print --markdown/--table and write --plot from a result file")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    if args.render:
+        result = json.loads(Path(args.render).read_text(encoding="utf-8"))
+        _emit(result, args)
+        return 0
     if args.limit is not None and args.limit < 0:
         args.limit = None
 
@@ -1066,10 +1173,19 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(dumps(result) + "\n", encoding="utf-8")
-    if args.table or sys.stdout.isatty():
-        print(format_table(result))
+    _emit(result, args)
     print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def _emit(result: dict, args) -> None:
+    if args.table or (sys.stdout.isatty() and not args.markdown):
+        print(format_table(result))
+    if args.markdown:
+        print(format_markdown(result, args.baseline))
+    if args.plot:
+        plot_png(result, Path(args.plot), args.baseline)
+        print(f"wrote {args.plot}", file=sys.stderr)
 
 
 if __name__ == "__main__":

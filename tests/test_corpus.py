@@ -2,6 +2,7 @@
 greedy decoding with the corpus drafter on a tiny model."""
 from __future__ import annotations
 
+import json
 import shutil
 from collections import Counter
 
@@ -362,3 +363,42 @@ def test_adaptive_length_recovers_from_stale_costs_without_confidences(monkeypat
         assert min(ks[-50:]) >= 3 and max(policy.verify_s[2:]) < 0.03
     else:
         assert max(ks) == 1 and policy.verify_s[2] == 0.085
+
+
+def test_corpus_from_the_bundles_own_batch_answers(tiny_bundle, tmp_path):
+    """`specdec batch` on the bundle, then `specdec corpus --answers`: its answers become the corpus (no torch, no
+    distill-data); a bad answers line is one error naming the file and line, and the bundle is left as it was."""
+    from click.testing import CliRunner
+
+    import specdec
+    from specdec.cli import main
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle, bundle)
+    jobs = tmp_path / "in.jsonl"
+    jobs.write_text("".join(json.dumps({"id": i, "prompt": p, "max_new_tokens": 24}) + "\n"
+                            for i, p in enumerate(["hello world", "the cat sat", "once upon a time"])))
+    out = tmp_path / "out.jsonl"
+    r = CliRunner().invoke(main, ["batch", str(bundle), str(jobs), str(out), "--drafter", "none"])
+    assert r.exit_code == 0, r.output
+    before = (bundle / "specdec.json").read_text()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(out.read_text() + "{not json\n")
+    r = CliRunner().invoke(main, ["corpus", str(bundle), "--answers", str(bad)])
+    assert r.exit_code != 0 and f"{bad}:4 is not JSON" in r.output
+    assert (bundle / "specdec.json").read_text() == before and not (bundle / "corpus.npz").exists()
+    r = CliRunner().invoke(main, ["corpus", str(bundle)])
+    assert r.exit_code != 0 and "--answers" in r.output
+
+    r = CliRunner().invoke(main, ["corpus", str(bundle), "--answers", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "3 answers" in r.output
+    engine = specdec.load(bundle, drafter="corpus")
+    answers = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    want = sum(len(engine.codec.encode(a)) for a in answers) + len(answers)  # + one separator per answer
+    assert len(engine.drafter.corpus) == want
+    for prompt in ("hello world", "once upon a time"):  # the corpus drafts its own answers back; output unchanged
+        plain = engine.generate(prompt, specdec.GenerationConfig(max_new_tokens=24, draft_len=0))
+        spec = engine.generate(prompt, specdec.GenerationConfig(max_new_tokens=24, draft_len=4))
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.accepted > 0

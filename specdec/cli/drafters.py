@@ -101,17 +101,23 @@ def _train_heads(model, kind: str, out_path: Path, data: tuple[Path, ...], epoch
 
 @click.command("corpus")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--data", type=click.Path(path_type=Path), multiple=True, required=True,
+@click.option("--data", type=click.Path(path_type=Path), multiple=True,
               help="A distill-data folder whose answers go into the corpus (repeat for several).")
+@click.option("--answers", type=click.Path(path_type=Path), multiple=True,
+              help="An output file of `specdec batch` run on this bundle: its answers go into the corpus (repeat for "
+                   "several).")
 @click.option("--keep", is_flag=True, help="Keep the bundle's corpus (e.g. the shipped one) and add the data to it.")
 @friendly
-def corpus_cmd(bundle, data, keep):
+def corpus_cmd(bundle, data, answers, keep):
     """Add a corpus of the target's own answers to BUNDLE: the "corpus" drafter (its default where the bundle's
     drafter is ngram) continues the context as those answers did wherever prompt lookup finds nothing."""
     from specdec.export.corpus import add_corpus
 
+    if not data and not answers:
+        raise click.UsageError("give the answers: --answers OUT.jsonl (from `specdec batch`) or --data DIR "
+                               "(from `specdec distill-data`)")
     t0 = time.perf_counter()
-    r = add_corpus(bundle, list(data), keep=keep)
+    r = add_corpus(bundle, list(data), keep=keep, answers=list(answers))
     click.echo(f"{bundle}: corpus of {r['tokens']} tokens ({r['texts']} answers, {r['bytes'] / 1e6:.1f} MB, "
                f"matches up to {r['max_ngram']} tokens) in {time.perf_counter() - t0:.0f} s; "
                f"use it: specdec generate {bundle} --drafter corpus \"...\"")

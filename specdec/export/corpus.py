@@ -1,8 +1,9 @@
 """`specdec corpus`: add a corpus of the target's own answers to a bundle, for the "corpus" drafter.
 
 The answers come from `specdec distill-data` folders (their prompts are specdec's own, never benchmark questions;
-the user turns are left out: the corpus holds what the target writes, not what users ask). Only token ids are
-stored (uint16 for vocabularies under 65,536: 2 bytes a token); the runtime indexes them on load.
+the user turns are left out: the corpus holds what the target writes, not what users ask), or from the output
+lines of `specdec batch` run on the bundle itself (its answers as text, tokenized again here: no torch, and the
+bundle's own fast kernels write them). Only token ids are stored (uint16 for vocabularies under 65,536: 2 bytes a token); the runtime indexes them on load.
 """
 from __future__ import annotations
 
@@ -56,6 +57,56 @@ def answers_of(folders: Sequence[Path], vocab_size: int) -> list[np.ndarray]:
     return texts
 
 
+def _answer_text(record) -> str | None:
+    """The answer in one output line: `specdec batch`'s {"text": ...}, or an OpenAI Batch API output line's
+    response body (a chat completion's message content or a completion's text)."""
+    if not isinstance(record, dict):
+        return None
+    if isinstance(record.get("text"), str):
+        return record["text"]
+    body = ((record.get("response") or {}).get("body") or {}) if isinstance(record.get("response"), dict) else {}
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        c = choices[0]
+        text = (c.get("message") or {}).get("content") if isinstance(c.get("message"), dict) else c.get("text")
+        return text if isinstance(text, str) else None
+    return None
+
+
+def answers_from_jsonl(files: Sequence[Path], tokenizer_file: Path, vocab_size: int) -> list[np.ndarray]:
+    """The answers in `specdec batch` output files (lines with "text", or OpenAI Batch API output lines), as token
+    ids of the bundle's tokenizer. A line without an answer (a failed request: "text": null) is skipped."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    texts = []
+    for path in files:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecdecError(f"cannot read answers file {path} ({e})", "give the output file of `specdec batch`") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpecdecError(f"{path}:{n} is not JSON ({e.msg})",
+                                   "give the output file of `specdec batch` (one JSON object per line)") from None
+            text = _answer_text(record)
+            if text is None and not (isinstance(record, dict) and ("text" in record or "error" in record)):
+                raise SpecdecError(f'{path}:{n} holds no answer ("text", or an OpenAI batch output\'s response)',
+                                   "give the output file of `specdec batch`")
+            if text:
+                ids = np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+                if len(ids) and int(ids.max()) >= vocab_size:
+                    raise SpecdecError(f"{path}:{n} tokenizes beyond this bundle's vocabulary ({vocab_size})")
+                texts.append(ids)
+    return texts
+
+
 def extended(base: Corpus | None, texts: Sequence[np.ndarray], vocab_size: int) -> Corpus:
     """A corpus of `base`'s texts (if any) followed by `texts`."""
     added = Corpus.from_texts(texts, vocab_size)
@@ -66,9 +117,9 @@ def extended(base: Corpus | None, texts: Sequence[np.ndarray], vocab_size: int) 
     return Corpus(np.concatenate([base.tokens, added.tokens]), vocab_size)
 
 
-def add_corpus(bundle: Path, folders: Sequence[Path], keep: bool = False) -> dict:
-    """Write bundle/corpus.npz from the folders' answers (after the bundle's current corpus, with `keep`) and
-    record it in the manifest (checksummed)."""
+def add_corpus(bundle: Path, folders: Sequence[Path], keep: bool = False, answers: Sequence[Path] = ()) -> dict:
+    """Write bundle/corpus.npz from the folders' answers and the answers files' (after the bundle's current corpus,
+    with `keep`) and record it in the manifest (checksummed)."""
     bundle = Path(bundle)
     m = read_manifest(bundle)
     base = None
@@ -76,7 +127,10 @@ def add_corpus(bundle: Path, folders: Sequence[Path], keep: bool = False) -> dic
         if m.drafter.corpus is None:
             raise SpecdecError(f"bundle {bundle} has no corpus to keep", "leave out --keep to make one")
         base = Corpus.load(bundle / m.drafter.corpus, m.model.vocab_size, m.tokenizer.vocab_digest)
-    corpus = extended(base, answers_of(folders, m.model.vocab_size), m.model.vocab_size)
+    texts = answers_of(folders, m.model.vocab_size) if folders else []
+    if answers:
+        texts += answers_from_jsonl(answers, bundle / m.tokenizer.file, m.model.vocab_size)
+    corpus = extended(base, texts, m.model.vocab_size)
     if not len(corpus):
         raise SpecdecError("the data holds no answers to build a corpus from")
     tmp = bundle / (CORPUS_FILE + ".tmp")
@@ -89,7 +143,7 @@ def add_corpus(bundle: Path, folders: Sequence[Path], keep: bool = False) -> dic
     staged.replace(bundle / MANIFEST_NAME)  # the manifest last: a killed run leaves the old bundle valid
     return {"tokens": len(corpus), "texts": int((corpus.tokens == corpus.sep).sum()),
             "bytes": (bundle / CORPUS_FILE).stat().st_size, "max_ngram": corpus.max_ngram,
-            "folders": [str(f) for f in folders]}
+            "folders": [str(f) for f in folders], "answers": [str(f) for f in answers]}
 
 
 def write_shipped_corpus(model_path, folders: Sequence[Path], out: Path, base: Path | None = None) -> dict:
