@@ -98,6 +98,27 @@ def test_gguf_bundle_speculates_losslessly(tiny_gguf_bundle):
         assert got.token_ids == want
 
 
+def test_wide_head_is_written_in_vocabulary_slices(tiny_gguf, tiny_gguf_bundle, tmp_path, monkeypatch):
+    """An untied carried head wider than HEAD_PART_BYTES becomes slices whose logits are concatenated (a smaller
+    transient at load): the same logits as the one-node head, and the export's exact check passes."""
+    import onnx
+
+    from specdec.export import graph
+
+    monkeypatch.setattr(graph, "HEAD_PART_BYTES", 40 * 256)  # 40 rows of 256 8-bit codes a slice
+    out = tmp_path / "b"
+    export_bundle(tiny_gguf, out, ExportConfig(drafter="none", max_len=256))
+    g = onnx.load_model(str(out / "target.onnx"), load_external_data=False)
+    heads = [n for n in g.graph.node if n.op_type == "MatMulNBits" and n.name.startswith("lm_head.")]
+    V = json.loads((out / "specdec.json").read_text())["graphs"]["target"]["model"]["vocab_size"]
+    assert len(heads) == -(-V // 40) > 1
+    checks = json.loads((out / "specdec.json").read_text())["graphs"]["target"]["checks"]
+    assert checks["top1_agreement_vs_reference_forward"] == 1.0
+    ids = np.array([[5, 17, 99, 3, 42]])
+    sliced, whole = specdec.load(out, drafter="none"), specdec.load(tiny_gguf_bundle, drafter="none")
+    np.testing.assert_array_equal(sliced.target.prefill(ids), whole.target.prefill(ids))
+
+
 def test_fp32_export_of_a_gguf_matches_the_reference(tiny_gguf, tmp_path):
     out = tmp_path / "fp32"
     m = export_bundle(tiny_gguf, out, ExportConfig(drafter="none", precision="fp32", max_len=128))

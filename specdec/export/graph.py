@@ -195,7 +195,7 @@ def _linear(b: _Builder, x: str, weight, name: str, out: str | None = None) -> s
     whose parts a GGUF stores in different formats)."""
     if isinstance(weight, tuple):
         parts = [_linear(b, x, w_part, f"{name}.{j}") for j, w_part in enumerate(weight)]
-        return b.op("Concat", parts, name=f"{name}.concat", axis=-1)[0]
+        return b.op("Concat", parts, name=f"{name}.concat", axis=-1, outputs=[out] if out else None)[0]
     if isinstance(weight, Carried):
         from specdec.quant.weight_only import emit_nbits
 
@@ -208,6 +208,22 @@ def _linear(b: _Builder, x: str, weight, name: str, out: str | None = None) -> s
         b.nodes.extend(nodes)
         return y
     return b.op("MatMul", [x, b.init(f"{name}.weight", weight)], name=name, outputs=[out] if out else None)[0]
+
+
+# An untied carried LM head is written as vocabulary slices of at most this many bytes of codes, their logits
+# concatenated: onnxruntime prepacks one initializer at a time while its mapped file pages are resident, so the
+# widest matrix sets the load's transient peak (a 152k x 1536 8-bit head alone is ~290 MB).
+HEAD_PART_BYTES = 64 << 20
+
+
+def head_parts(head: Carried) -> Carried | tuple[Carried, ...]:
+    """`head` [V, nb, block] as row slices of at most HEAD_PART_BYTES of codes (itself when it fits in one);
+    each slice's logits are its columns of the whole head's, exactly."""
+    V = head.q.shape[0]
+    rows = max(1, HEAD_PART_BYTES // max(1, head.q[0].nbytes))
+    if rows >= V:
+        return head
+    return tuple(head.rows(slice(r0, min(V, r0 + rows))) for r0 in range(0, V, rows))
 
 
 def _embed_carried(b: _Builder, table: Carried, codes_name: str) -> str:
@@ -372,7 +388,7 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
             add_exact_argmax(b, normed, head, w.embed.T if tied else w.lm_head)  # [B,A]
         rows = b.op("Gather", [normed, LOGITS_ROWS], name="logits_rows", axis=1)[0] if logits_rows else normed
         if carried_head:
-            _linear(b, rows, w.embed if tied else w.lm_head, "lm_head", out="logits")  # [B,R,V]
+            _linear(b, rows, w.embed if tied else head_parts(w.lm_head), "lm_head", out="logits")  # [B,R,V]
         else:
             b.op("MatMul", [rows, head], outputs=["logits"], name="lm_head")  # [B,R,V] (R = T without logits_rows)
         if argmax and not exact_argmax:
