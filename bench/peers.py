@@ -1091,7 +1091,7 @@ def plot_png(result: dict, path: Path, baseline: str = "llama-server") -> None:
     ax.barh([v + 0.2 for v in y], whole, height=0.4, color=colors, label="whole answers (incl. prefill)")
     ax.barh([v - 0.2 for v in y], decode, height=0.4, color=colors, alpha=0.45, label="decode only")
     for v, w in zip(y, whole):
-        ax.text(w, v + 0.2, f" {w:.0f}", va="center", fontsize=8)
+        ax.text(w, v + 0.2, f" {w:.1f}" if w < 20 else f" {w:.0f}", va="center", fontsize=8)
     if baseline in peers:
         ax.axvline(peers[baseline]["overall"]["tok_s"], color="black", lw=0.8, ls="--")
     ax.set_yticks(y, [engine_label(n).replace("`", "") for n in names], fontsize=8)
@@ -1099,7 +1099,7 @@ def plot_png(result: dict, path: Path, baseline: str = "llama-server") -> None:
     meta = result.get("meta", {})
     model = Path(str(meta.get("model", {}).get("gguf", ""))).name
     ax.set_xlabel("tokens per second (greedy, 2 threads)")
-    ax.set_title(f"{model}: {len(result.get('prompts', []))} Spec-Bench questions, "
+    ax.set_title(f"{model}\n{len(result.get('prompts', []))} Spec-Bench questions, "
                  f"{meta.get('max_new_tokens')} new tokens", fontsize=9)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     fig.tight_layout()

@@ -260,3 +260,47 @@ def test_not_enough_memory_for_the_kv_length_is_said_before_loading(tiny_gguf_bu
     monkeypatch.setattr(memcheck, "available_bytes", lambda: 1 << 40)
     code, out, err = run_cli("generate", tiny_gguf_bundle, "hello", "--max-len", "256", "--max-new-tokens", "4")
     assert code == 0, err
+
+
+def _resident_bytes(path: Path) -> int:
+    target, total, inside = str(path.resolve()), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                inside = len(head) > 5 and head[5] == target
+            elif inside and head and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_loading_leaves_no_weight_file_pages_resident(tiny_gguf_bundle, tmp_path, monkeypatch):
+    """onnxruntime keeps the weight file mapped after prepacking its weights into its own memory; the pages it read
+    stay counted in RSS unless paged out after loading, and paging them out changes no output."""
+    import shutil
+
+    from specdec.runtime import session
+
+    # A copy no other session of this test process maps: pages mapped twice are not paged out.
+    bundle = shutil.copytree(tiny_gguf_bundle, tmp_path / "b")
+    graph, data = bundle / "target.onnx", bundle / "target.onnx.data"
+    opts = session.RuntimeOptions()
+    with monkeypatch.context() as m:
+        m.setattr(session, "release_mapped_pages", lambda path: 0)
+        kept = session.make_session(graph, opts)
+        before = _resident_bytes(data)
+    del kept
+    released = session.make_session(graph, opts)
+    # What stays: page-cache folios that straddle two tensors' mappings (mapped twice, so not paged out); a tiny
+    # model's tensors are a few KB, so that is much of it here. tests/test_real_gguf.py checks a real bundle.
+    after = _resident_bytes(data)
+    assert before > 0 and after < before, (before, after)
+    del released
+    engine = specdec.load(bundle, drafter="none")
+    got = engine.generate("the quick brown fox", GenerationConfig(max_new_tokens=16, draft_len=0)).token_ids
+    with monkeypatch.context() as m:
+        m.setattr(session, "release_mapped_pages", lambda path: 0)
+        want = specdec.load(bundle, drafter="none").generate(
+            "the quick brown fox", GenerationConfig(max_new_tokens=16, draft_len=0)).token_ids
+    assert got == want

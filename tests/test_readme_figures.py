@@ -20,8 +20,9 @@ def test_readme_comparison_table_is_the_peers_output():
 
 def test_readme_cites_only_files_that_exist():
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    cited = set(re.findall(r"`?((?:bench/results/)?[\w./-]+\.(?:json|png|jsonl))`?", text))
-    cited -= {"specdec.json", "tokenizer.json", "config.json", "in.json", "out.json"}  # file names, not figures
+    cited = set(re.findall(r"`?((?:bench/results/)?[\w./-]+\.(?:jsonl|json|png))`?", text))
+    cited -= {"specdec.json", "tokenizer.json", "config.json", "in.jsonl", "out.jsonl", "prompts.jsonl",
+               "answers.jsonl"}  # file names in commands, not figures
     assert cited
     results = REPO / "bench" / "results"
     missing = [c for c in cited

@@ -102,6 +102,38 @@ def test_qwen05_speculation_is_token_identical(qwen05):
     assert "def" in plain.generate(PROMPTS[0], GenerationConfig(max_new_tokens=48, draft_len=0)).text
 
 
+_RESIDENT_AFTER_LOAD = """
+import sys
+import specdec
+from specdec.runtime import session
+if sys.argv[2] == "keep":
+    session.release_mapped_pages = lambda path: 0
+engine = specdec.load(sys.argv[1], drafter="none")  # kept alive: its sessions hold the mappings
+target, total, inside = sys.argv[1] + "/target.onnx.data", 0, False
+import os
+target = os.path.realpath(target)
+for line in open("/proc/self/smaps"):
+    head = line.split()
+    if head and "-" in head[0] and not head[0].endswith(":"):
+        inside = len(head) > 5 and head[5] == target
+    elif inside and head and head[0] == "Rss:":
+        total += int(head[1]) * 1024
+print(total)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_qwen05_weight_file_is_not_kept_resident(qwen05):
+    """After loading, onnxruntime still maps the weight file (block scales it has prepacked); the runtime pages
+    those out, so a loaded bundle costs its prepacked copy, not that plus the file."""
+    _, out, _ = qwen05
+    resident = {how: int(subprocess.run([sys.executable, "-c", _RESIDENT_AFTER_LOAD, str(out), how], check=True,
+                                        capture_output=True, text=True).stdout.split()[-1]) for how in ("keep", "page")}
+    size = (out / "target.onnx.data").stat().st_size
+    assert resident["keep"] > 0.05 * size, (resident, size)
+    assert resident["page"] < 0.01 * size, (resident, size)
+
+
 def test_fetch_refuses_a_corrupt_part(tmp_path):
     """A part that does not match the published checksum: one error, nothing left that looks whole."""
     import zipfile

@@ -213,7 +213,7 @@ def _linear(b: _Builder, x: str, weight, name: str, out: str | None = None) -> s
 # An untied carried LM head is written as vocabulary slices of at most this many bytes of codes, their logits
 # concatenated: onnxruntime prepacks one initializer at a time while its mapped file pages are resident, so the
 # widest matrix sets the load's transient peak (a 152k x 1536 8-bit head alone is ~290 MB).
-HEAD_PART_BYTES = 64 << 20
+HEAD_PART_BYTES = 16 << 20
 
 
 def head_parts(head: Carried) -> Carried | tuple[Carried, ...]:

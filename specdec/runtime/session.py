@@ -111,9 +111,45 @@ def make_session(path: Path, opts: RuntimeOptions) -> ort.InferenceSession:
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3  # ORT's warnings about unused initializers etc. are not the user's problem
     try:
-        return ort.InferenceSession(str(path), sess_options=so, providers=provider_list(opts))
+        session = ort.InferenceSession(str(path), sess_options=so, providers=provider_list(opts))
     except SpecdecError:
         raise
     except Exception as e:  # ORT raises its own exception types for corrupt/truncated graphs
         msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise SpecdecError(f"cannot load graph {path}: {msg}", "the bundle may be corrupt; re-export it") from None
+    release_mapped_pages(Path(str(path) + ".data"))
+    return session
+
+
+MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now; dirty private pages (none here) are left alone
+
+
+def release_mapped_pages(data_file: Path) -> int:
+    """Page out what this process has resident of `data_file` (a graph's external weights); returns the bytes asked.
+
+    onnxruntime maps external weights and copies the ones its kernels prepack into memory of its own; the file
+    pages it read to do so stay resident (counted in RSS) until the kernel needs memory. What inference reads
+    from the file later (embedding rows, rotary rows) is faulted back in as used. A no-op where the platform has
+    no /proc/self/maps or no MADV_PAGEOUT."""
+    import ctypes
+
+    if not data_file.is_file():
+        return 0
+    try:
+        target = str(data_file.resolve())
+        ranges = []
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == target:
+                    start, end = (int(v, 16) for v in fields[0].split("-"))
+                    ranges.append((start, end - start))
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    except (OSError, AttributeError, ValueError):
+        return 0
+    asked = 0
+    for start, length in ranges:
+        if libc.madvise(start, length, MADV_PAGEOUT) == 0:
+            asked += length
+    return asked
