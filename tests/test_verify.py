@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 from click.testing import CliRunner
 
 from specdec.cli import main
