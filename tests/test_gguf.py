@@ -262,18 +262,6 @@ def test_not_enough_memory_for_the_kv_length_is_said_before_loading(tiny_gguf_bu
     assert code == 0, err
 
 
-def _resident_bytes(path: Path) -> int:
-    target, total, inside = str(path.resolve()), 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if head and "-" in head[0] and not head[0].endswith(":"):
-                inside = len(head) > 5 and head[5] == target
-            elif inside and head and head[0] == "Rss:":
-                total += int(head[1]) * 1024
-    return total
-
-
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
 def test_loading_leaves_no_weight_file_pages_resident(tiny_gguf_bundle, tmp_path, monkeypatch):
     """onnxruntime keeps the weight file mapped after prepacking its weights into its own memory; the pages it read
@@ -281,6 +269,7 @@ def test_loading_leaves_no_weight_file_pages_resident(tiny_gguf_bundle, tmp_path
     import shutil
 
     from specdec.runtime import session
+    from specdec.runtime.session import resident_bytes as _resident_bytes
 
     # A copy no other session of this test process maps: pages mapped twice are not paged out.
     bundle = shutil.copytree(tiny_gguf_bundle, tmp_path / "b")

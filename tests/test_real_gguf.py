@@ -109,16 +109,7 @@ from specdec.runtime import session
 if sys.argv[2] == "keep":
     session.release_mapped_pages = lambda path: 0
 engine = specdec.load(sys.argv[1], drafter="none")  # kept alive: its sessions hold the mappings
-target, total, inside = sys.argv[1] + "/target.onnx.data", 0, False
-import os
-target = os.path.realpath(target)
-for line in open("/proc/self/smaps"):
-    head = line.split()
-    if head and "-" in head[0] and not head[0].endswith(":"):
-        inside = len(head) > 5 and head[5] == target
-    elif inside and head and head[0] == "Rss:":
-        total += int(head[1]) * 1024
-print(total)
+print(session.resident_bytes(sys.argv[1] + "/target.onnx.data"))
 """
 
 

@@ -124,6 +124,22 @@ def make_session(path: Path, opts: RuntimeOptions) -> ort.InferenceSession:
 MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now; dirty private pages (none here) are left alone
 
 
+def resident_bytes(data_file: Path) -> int:
+    """Bytes of `data_file` this process has mapped and resident (0 where there is no /proc/self/smaps)."""
+    target, total, inside = str(Path(data_file).resolve()), 0, False
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                head = line.split()
+                if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's header line
+                    inside = len(head) > 5 and head[5] == target
+                elif inside and head and head[0] == "Rss:":
+                    total += int(head[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
 def release_mapped_pages(data_file: Path) -> int:
     """Page out what this process has resident of `data_file` (a graph's external weights); returns the bytes asked.
 
