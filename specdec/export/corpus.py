@@ -3,7 +3,8 @@
 The answers come from `specdec distill-data` folders (their prompts are specdec's own, never benchmark questions;
 the user turns are left out: the corpus holds what the target writes, not what users ask), or from the output
 lines of `specdec batch` run on the bundle itself (its answers as text, tokenized again here: no torch, and the
-bundle's own fast kernels write them). Only token ids are stored (uint16 for vocabularies under 65,536: 2 bytes a token); the runtime indexes them on load.
+bundle's own fast kernels write them). Only token ids are stored (uint16 for vocabularies under 65,536: 2 bytes a
+token); the runtime indexes them on load.
 """
 from __future__ import annotations
 
