@@ -5,7 +5,8 @@ weight file still mapped; against the bound `bundle + KV + 300 MB`.
 
 One process, plain decoding (a drafter adds its own graph or index on top), 2 threads:
 
-    .venv/bin/python bench/runtime_memory.py bundles/qwen15 --prompt-tokens 512 --out bench/results/qwen/runtime_memory_1.5b.json
+    .venv/bin/python bench/runtime_memory.py bundles/qwen15 --prompt-tokens 512 \
+        --out bench/results/qwen/runtime_memory_1.5b.json
 """
 from __future__ import annotations
 

@@ -87,7 +87,8 @@ def answers_from_jsonl(files: Sequence[Path], tokenizer_file: Path, vocab_size: 
         try:
             lines = Path(path).read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:
-            raise SpecdecError(f"cannot read answers file {path} ({e})", "give the output file of `specdec batch`") from None
+            raise SpecdecError(f"cannot read answers file {path} ({e})",
+                               "give the output file of `specdec batch`") from None
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
