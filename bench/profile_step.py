@@ -18,6 +18,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from report import emit  # noqa: E402
 
 PAST = 200
 
@@ -70,10 +72,7 @@ def main() -> int:
         "tok_s": round(args.tokens / float(np.median(wall)), 1) if args.tokens > 16 else None,
         "share_by_op": {op: round(d / total, 3) for op, d in by_op.most_common()},
     }
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.out)
     return 0
 
 

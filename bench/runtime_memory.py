@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from report import emit  # noqa: E402
 
 MB = 1e6
 
@@ -88,10 +89,7 @@ def main() -> int:
                        "arena, the KV cache as written, Python); bundle FILE: pages of the bundle's files mapped "
                        "and resident; bound: bundle files + KV buffers + 300 MB.",
     }
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.out)
     return 0
 
 

@@ -11,7 +11,6 @@ steps run at least 2 positions (min_step_tokens, int8-activation kernels) pads T
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from decode import PAST, median_ms  # noqa: E402
+from report import emit  # noqa: E402
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 
@@ -53,10 +53,7 @@ def main() -> int:
         d = curve(drafting.drafter.decoder, (1,), args.reps)
         result["draft_ms_per_token"] = d[1]
         result["draft_over_target_step"] = round(d[1] / target[1], 3)
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.out)
     return 0
 
 
