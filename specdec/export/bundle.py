@@ -157,9 +157,9 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
 
     model_path = Path(model_path) if model_path is not None else default_model_path()
     precision = cfg.precision
-    if precision == "gguf" and not is_gguf(model_path):
-        raise SpecdecError(f"--precision gguf carries a GGUF file's own codes; {model_path} is not a GGUF file",
-                           "export with --precision fp32, int8 or int4")
+    if precision == "gguf" and not (is_gguf(model_path) or _quantized_checkpoint(model_path)):
+        raise SpecdecError(f"--precision gguf carries a GGUF file's (or an AWQ/GPTQ checkpoint's) own codes; "
+                           f"{model_path} is neither", "export with --precision fp32, int8 or int4")
     if is_gguf(model_path) and cfg.streams_gguf and precision in ("auto", "gguf", "fp32", "fp16"):
         from specdec.export.gguf_source import GGUFSource
 
@@ -167,12 +167,19 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         src = GGUFSource(model_path)  # read once: its metadata takes seconds to parse for a 150k vocabulary
         precision = ("gguf" if src.quantized else "fp32") if precision == "auto" else precision
         return _export_streamed(src, out_dir, replace(cfg, precision=precision), step, draft_bundle, draft_streamed)
-    if cfg.stream and _streams_checkpoint(model_path) and cfg.streams_gguf and precision in ("auto", "fp32", "fp16"):
+    if _quantized_checkpoint(model_path) and not (cfg.stream and cfg.streams_gguf and
+                                                  precision in ("auto", "gguf", "fp32", "fp16")):
+        raise SpecdecError(f"{model_path} is an AWQ/GPTQ checkpoint: specdec reads it with drafter none, ngram or "
+                           "model:PATH, at its own precision (auto) or dequantized (fp32, fp16)",
+                           "choose one of those drafters and precisions")
+    if cfg.stream and _streams_checkpoint(model_path) and cfg.streams_gguf and precision in ("auto", "gguf", "fp32",
+                                                                                              "fp16"):
         from specdec.export.hf_source import SafetensorsSource
 
         step(f"reading {model_path.name}")
         src = SafetensorsSource(model_path)
-        precision = "fp32" if precision == "auto" else precision
+        # an AWQ/GPTQ checkpoint at its own codes (export/hf_quant.py), like a quantized GGUF
+        precision = ("gguf" if src.quantized else "fp32") if precision == "auto" else precision
         return _export_streamed(src, out_dir, replace(cfg, precision=precision), step, draft_bundle, draft_streamed)
     cfg = replace(cfg, precision="fp32" if precision == "auto" else precision)
 
@@ -371,6 +378,16 @@ def _streams_checkpoint(path: Path) -> bool:
     from specdec.export.hf_source import why_not_streamed
 
     return path.is_dir() and (path / "config.json").is_file() and why_not_streamed(path) is None
+
+
+def _quantized_checkpoint(path: Path) -> bool:
+    """Whether `path` is a checkpoint folder whose config.json declares quantized weights (AWQ, GPTQ, ...)."""
+    import json
+
+    try:
+        return path.is_dir() and bool(json.loads((path / "config.json").read_text()).get("quantization_config"))
+    except (OSError, ValueError):
+        return False
 
 
 def _streamed_tokenizer(path: Path, folder: Path, eos_ids: tuple[int, ...] = ()) -> TokenizerSpec:

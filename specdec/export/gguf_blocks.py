@@ -35,14 +35,16 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 
 @dataclass
 class Carried:
-    """A weight [rows, K] as MatMulNBits grids along K: w = scale * (q - zp) + offset per block, zp = 2**(bits-1)
-    without an offset (MatMulNBits's implied zero point), 0 with one."""
+    """A weight [rows, K] as MatMulNBits grids along K: w = scale * (q - zp) + offset per block. zp is the explicit
+    integer `zero_point` where one is given (AWQ/GPTQ checkpoints: export/hf_quant.py), else 2**(bits-1) without an
+    offset (MatMulNBits's implied zero point) and 0 with one."""
 
     q: np.ndarray  # [rows, nb, block] uint8
     scale: np.ndarray  # [rows, nb] float32
     offset: np.ndarray | None  # [rows, nb] float32, or None
     bits: int
     fmt: str
+    zero_point: np.ndarray | None = None  # [rows, nb] uint8, or None
 
     @property
     def block_size(self) -> int:
@@ -50,15 +52,18 @@ class Carried:
 
     def dequantize(self) -> np.ndarray:
         """[rows, K] float32, computed as the kernels compute it (for tests and reference forwards)."""
-        zp = np.float32(0 if self.offset is not None else 2 ** (self.bits - 1))
+        if self.zero_point is not None:
+            zp = self.zero_point[..., None].astype(np.float32)
+        else:
+            zp = np.float32(0 if self.offset is not None else 2 ** (self.bits - 1))
         w = self.scale[..., None] * (self.q.astype(np.float32) - zp)
         if self.offset is not None:
             w = w + self.offset[..., None]
         return w.reshape(self.q.shape[0], -1)
 
     def rows(self, index) -> "Carried":
-        return Carried(self.q[index], self.scale[index],
-                       None if self.offset is None else self.offset[index], self.bits, self.fmt)
+        return Carried(self.q[index], self.scale[index], None if self.offset is None else self.offset[index],
+                       self.bits, self.fmt, None if self.zero_point is None else self.zero_point[index])
 
 
 def _f16(b: np.ndarray) -> np.ndarray:

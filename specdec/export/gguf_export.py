@@ -65,7 +65,9 @@ class GraphCheck:
 def gguf_graph_spec(file: str, src: GGUFSource, precision: str, min_step_tokens: int = 1) -> GraphSpec:
     cfg = src.config
     carried = precision == "gguf"
-    quant = {"method": "gguf", "accuracy_level": GGUF_ACCURACY_LEVEL, "formats": src.formats()} if carried else {}
+    # "method": where the codes come from: "gguf", or a checkpoint's "awq" / "gptq" (export/hf_quant.py)
+    quant = {"method": src.quant_method, "accuracy_level": GGUF_ACCURACY_LEVEL, "formats": src.formats()} \
+        if carried else {}
     exact = precision == "fp32"
     return GraphSpec(file=file, model=cfg, precision="int4" if carried else precision, n_layers=cfg.n_layers,
                      inputs=CONTROL_INPUTS + (LOGITS_ROWS,) + ((ARGMAX_ROWS,) if exact else ())

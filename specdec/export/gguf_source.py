@@ -16,7 +16,7 @@ import numpy as np
 from specdec.errors import SpecdecError
 from specdec.export.gguf_blocks import CARRIED, FLOAT_TYPES, Carried, carry
 from specdec.export.graph import LayerWeights
-from specdec.export.streamed import LazyWeights
+from specdec.export.streamed import LazyWeights, cat_rows
 from specdec.runtime.manifest import ModelConfig
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")  # pre-norm decoders with RMSNorm, rotary, GQA and SwiGLU
@@ -131,6 +131,7 @@ class GGUFSource:
 
     # ------------------------------------------------------------------------------------------ tensors
     embed_name, final_norm_name = "token_embd.weight", "output_norm.weight"
+    quant_method = "gguf"  # where carried codes come from (the manifest's quant.method)
 
     @property
     def head_name(self) -> str | None:
@@ -196,7 +197,7 @@ class GGUFSource:
                                    self.floats(p + "attn_v.bias")])
         return LayerWeights(
             input_norm=self.floats(p + "attn_norm.weight"),
-            qkv=_cat_rows([q, k, v]),
+            qkv=cat_rows([q, k, v]),
             qkv_bias=bias,
             o_proj=self.matrix(p + "attn_output.weight", carry_codes),
             post_norm=self.floats(p + "ffn_norm.weight"),
@@ -227,18 +228,6 @@ def _carry_chunked(fmt: str, raw: np.ndarray, K: int) -> Carried:
         if offset is not None:
             offset[r0:r0 + CHUNK_ROWS] = c.offset
     return Carried(q, scale, offset, first.bits, fmt)
-
-
-def _cat_rows(parts: list):
-    """Q, K and V fused into one weight: concatenated along the output axis (codes of one format, or floats),
-    else a tuple the graph writer runs as three MatMulNBits and concatenates."""
-    if all(isinstance(p, np.ndarray) for p in parts):
-        return np.concatenate(parts, axis=1)  # [in, out]
-    if all(isinstance(p, Carried) for p in parts) and len({(p.fmt, p.bits, p.block_size) for p in parts}) == 1:
-        off = None if parts[0].offset is None else np.concatenate([p.offset for p in parts])
-        return Carried(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]), off,
-                       parts[0].bits, parts[0].fmt)
-    return tuple(parts)
 
 
 def load_tokenizer(path: Path):

@@ -201,8 +201,8 @@ def _linear(b: _Builder, x: str, weight, name: str, out: str | None = None) -> s
 
         K = weight.q.shape[1] * weight.block_size
         y = out or f"{name}/out0"
-        nodes, inits = emit_nbits(x, y, name, (weight.q, weight.scale, weight.offset), weight.bits,
-                                   weight.block_size, K, b.accuracy_level, sums=b.block_sums)
+        nodes, inits = emit_nbits(x, y, name, (weight.q, weight.scale, weight.offset, weight.zero_point),
+                                   weight.bits, weight.block_size, K, b.accuracy_level, sums=b.block_sums)
         for t in inits:
             b.add(t)
         b.nodes.extend(nodes)

@@ -3,7 +3,8 @@
 `SafetensorsSource` gives the streaming graph writer (export/gguf_export.py) and its reference forward
 (export/streamed.py) the interface a GGUF file gives them: the config from config.json, and `layers[i]` read from
 the memory-mapped safetensors files when the writer reaches layer i, widened to float32. No torch, no
-transformers: the weights never pass through a framework model.
+transformers: the weights never pass through a framework model. A checkpoint quantized by AWQ or GPTQ
+(config.json's quantization_config) gives its linear layers' own codes (export/hf_quant.py).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 
 from specdec.errors import SpecdecError
 from specdec.export.graph import LayerWeights
-from specdec.export.streamed import LazyWeights
+from specdec.export.hf_quant import QuantScheme, carried, dequantize, trivial_groups
+from specdec.export.streamed import LazyWeights, cat_rows
 from specdec.runtime.manifest import ModelConfig
 
 ARCHITECTURES = ("llama", "qwen2")  # pre-norm decoders with RMSNorm, rotary, GQA and SwiGLU
@@ -24,6 +26,7 @@ PREFIX = "model."
 # uint16 and widened here.
 NUMPY_DTYPES = ("F32", "F16", "F64")
 BF16 = "BF16"
+PACKED_SUFFIXES = (".qweight", ".qzeros", ".g_idx")  # the int32 tensors of AWQ/GPTQ linear layers
 
 
 def _config_json(folder: Path) -> dict:
@@ -80,6 +83,11 @@ def _weight_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
+def _base(name: str) -> str:
+    """A linear layer's name without its tensor suffix ("...q_proj.weight" -> "...q_proj")."""
+    return name.rsplit(".", 1)[0]
+
+
 def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) widened exactly to float32: they are its high half."""
     return (raw.astype(np.uint32) << 16).view(np.float32)
@@ -108,11 +116,15 @@ class SafetensorsSource:
                 first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
                 raise SpecdecError(f"cannot read {file}: {first}",
                                    "the file may be truncated or corrupt; download it again") from None
-        missing = [n for n in (self.embed_name, self.final_norm_name, PREFIX + "layers.0.self_attn.q_proj.weight")
-                   if n not in self.index]
+        q0 = PREFIX + "layers.0.self_attn.q_proj"
+        missing = [n for n in (self.embed_name, self.final_norm_name, q0 + ".weight")
+                   if n not in self.index and not (n == q0 + ".weight" and q0 + ".qweight" in self.index)]
         if missing:
             raise SpecdecError(f"{self.path} lacks tensors {missing}", "the checkpoint may be incomplete")
-        bad = sorted({d for _f, d, _s in self.index.values() if d not in NUMPY_DTYPES + (BF16,)})
+        qc = self.hf.get("quantization_config")
+        self.scheme = QuantScheme.from_config(qc, str(self.path)) if qc else None
+        bad = sorted({d for n, (_f, d, _s) in self.index.items() if d not in NUMPY_DTYPES + (BF16,)
+                      and not (self.scheme is not None and d == "I32" and n.endswith(PACKED_SUFFIXES))})
         if bad:
             raise SpecdecError(f"{self.path} holds tensors of type {', '.join(bad)}, which specdec does not read",
                                "convert the checkpoint to float32, float16 or bfloat16")
@@ -161,17 +173,62 @@ class SafetensorsSource:
 
     # ------------------------------------------------------------------------------------------ tensors
     embed_name, final_norm_name = PREFIX + "embed_tokens.weight", PREFIX + "norm.weight"
-    quantized = False  # float matrices only: fp32, fp16 or bf16
+
+    @property
+    def quantized(self) -> bool:
+        """Whether its linear layers are stored quantized (AWQ/GPTQ): its own precision is then not fp32."""
+        return self.scheme is not None
+
+    @property
+    def quant_method(self) -> str:
+        return self.scheme.method if self.scheme is not None else "none"
 
     @property
     def head_name(self) -> str | None:
         """The LM head's tensor; None when tied to the embedding (config.json's tie_word_embeddings, or no head)."""
-        if self.hf.get("tie_word_embeddings", False) or "lm_head.weight" not in self.index:
+        if self.hf.get("tie_word_embeddings", False) or not {"lm_head.weight", "lm_head.qweight"} & set(self.index):
             return None
         return "lm_head.weight"
 
     def quantized_tensor(self, name: str) -> bool:
-        return False
+        return self.scheme is not None and name.endswith(".weight") and _base(name) + ".qweight" in self.index
+
+    def formats(self) -> dict[str, int]:
+        """Linear layers per storage: the quantization scheme's label, or the float dtype."""
+        out: dict[str, int] = {}
+        for name, (_f, dtype, shape) in self.index.items():
+            if name.endswith(".qweight"):
+                key = self.scheme.label
+            elif name.endswith(".weight") and len(shape) == 2:
+                key = dtype
+            else:
+                continue
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    def not_carried(self) -> list[tuple[str, str]]:
+        """(tensor, why) of the quantized layers MatMulNBits cannot hold exactly (GPTQ act-order groups)."""
+        if self.scheme is None or not self.scheme.desc_act:
+            return []
+        out = []
+        for name in self.index:
+            if name.endswith(".qweight"):
+                base = _base(name)
+                K = self._packed(base)[0].shape[0] * 32 // self.scheme.bits
+                if not trivial_groups(self.scheme, self._tensor(base + ".g_idx"), K):
+                    out.append((base + ".weight", f"{self.scheme.label} act-order"))
+        return out
+
+    def _tensor(self, name: str) -> np.ndarray | None:
+        """A tensor as stored (numpy), or None when the checkpoint lacks it."""
+        if name not in self.index:
+            return None
+        return self._handle(self.index[name][0]).get_tensor(name)
+
+    def _packed(self, base: str) -> tuple:
+        """(qweight, qzeros, scales, g_idx) of a quantized linear layer `base` (qzeros, g_idx may be None)."""
+        return (self._tensor(base + ".qweight"), self._tensor(base + ".qzeros"), self._tensor(base + ".scales"),
+                self._tensor(base + ".g_idx"))
 
     def _handle(self, file: Path):
         from safetensors import safe_open
@@ -194,6 +251,8 @@ class SafetensorsSource:
 
     def floats(self, name: str) -> np.ndarray:
         """A tensor as float32, its stored shape ([out, in] for matrices)."""
+        if self.quantized_tensor(name):
+            return dequantize(self.scheme, *self._packed(_base(name)))  # [out, in]
         file, dtype, _shape = self.index[name]
         if dtype == BF16:
             return _bf16_to_f32(self._raw_bf16(name))
@@ -201,8 +260,10 @@ class SafetensorsSource:
 
     def float_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows of a matrix as float32 [len(rows), K], without reading the rest."""
-        file, dtype, _shape = self.index[name]
         rows = np.asarray(rows)
+        if self.quantized_tensor(name):
+            return self.floats(name)[rows]
+        file, dtype, _shape = self.index[name]
         if dtype == BF16:
             return _bf16_to_f32(np.asarray(self._raw_bf16(name)[rows]))
         sl = self._handle(file).get_slice(name)
@@ -210,13 +271,17 @@ class SafetensorsSource:
             return np.asarray(sl[int(rows[0]):int(rows[0]) + len(rows)], dtype=np.float32)
         return np.stack([np.asarray(sl[int(r):int(r) + 1], dtype=np.float32)[0] for r in rows])
 
-    def matrix(self, name: str, carry_codes: bool = False, rows: np.ndarray | None = None) -> np.ndarray:
-        """A weight stored [out, in], as float32 [in, out] for MatMul; `rows` reorders its output rows."""
+    def matrix(self, name: str, carry_codes: bool = False, rows: np.ndarray | None = None):
+        """A weight stored [out, in], as float32 [in, out] for MatMul, or (carry_codes, AWQ/GPTQ layers) as its own
+        codes (Carried [out, nb, block]); `rows` reorders its output rows."""
+        if carry_codes and self.quantized_tensor(name):
+            c = carried(self.scheme, *self._packed(_base(name)))
+            return c if rows is None else c.rows(rows)
         w = self.floats(name)
         return np.ascontiguousarray((w if rows is None else w[rows]).T)
 
     def layer(self, i: int, carry_codes: bool = False) -> LayerWeights:
-        """Layer i's weights, every matrix float32 [in, out]."""
+        """Layer i's weights, every matrix float32 [in, out] or (carry_codes) a quantized layer's Carried codes."""
         p = f"{PREFIX}layers.{i}."
         attn = p + "self_attn."
         bias = None
@@ -224,13 +289,13 @@ class SafetensorsSource:
             bias = np.concatenate([self.floats(attn + f"{x}_proj.bias") for x in "qkv"])  # [(N+2KV)H]
         return LayerWeights(
             input_norm=self.floats(p + "input_layernorm.weight"),
-            qkv=np.concatenate([self.matrix(attn + f"{x}_proj.weight") for x in "qkv"], axis=1),  # [D, (N+2KV)H]
+            qkv=cat_rows([self.matrix(attn + f"{x}_proj.weight", carry_codes) for x in "qkv"]),  # [D, (N+2KV)H]
             qkv_bias=bias,
-            o_proj=self.matrix(attn + "o_proj.weight"),  # [N*H, D]
+            o_proj=self.matrix(attn + "o_proj.weight", carry_codes),  # [N*H, D]
             post_norm=self.floats(p + "post_attention_layernorm.weight"),
-            gate=self.matrix(p + "mlp.gate_proj.weight"),  # [D, F]
-            up=self.matrix(p + "mlp.up_proj.weight"),  # [D, F]
-            down=self.matrix(p + "mlp.down_proj.weight"),  # [F, D]
+            gate=self.matrix(p + "mlp.gate_proj.weight", carry_codes),  # [D, F]
+            up=self.matrix(p + "mlp.up_proj.weight", carry_codes),  # [D, F]
+            down=self.matrix(p + "mlp.down_proj.weight", carry_codes),  # [F, D]
         )
 
     def weights(self, carry_codes: bool = False) -> LazyWeights:

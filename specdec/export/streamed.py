@@ -15,6 +15,22 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from specdec.export.gguf_blocks import Carried
+
+
+def cat_rows(parts: list):
+    """Q, K and V fused into one weight: concatenated along the output axis (codes of one format, or floats),
+    else a tuple the graph writer runs as three MatMulNBits and concatenates."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts, axis=1)  # [in, out]
+    if all(isinstance(p, Carried) for p in parts) and len({(p.fmt, p.bits, p.block_size) for p in parts}) == 1:
+        def cat(field: str):
+            arrays = [getattr(p, field) for p in parts]
+            return None if arrays[0] is None else np.concatenate(arrays)
+
+        return Carried(cat("q"), cat("scale"), cat("offset"), parts[0].bits, parts[0].fmt, cat("zero_point"))
+    return tuple(parts)
+
 
 class _Layers(Sequence):
     def __init__(self, src, carry_codes: bool) -> None:

@@ -391,6 +391,17 @@ EXACT_TOLERANCE = 1e-5
 HEAD_NAME = "lm_head"  # the graph writer's name for the LM head MatMul node
 
 
+def pack_zero_points(zp: np.ndarray, bits: int) -> np.ndarray:
+    """MatMulNBits's uint8 zero points from [N, nb] integers: one byte each for 8 bits; for 4 bits two per byte, low
+    nibble first, each row padded to whole bytes ([N * ceil(nb/2)])."""
+    if bits == 8:
+        return np.ascontiguousarray(zp, dtype=np.uint8).reshape(-1)
+    N, nb = zp.shape
+    padded = np.zeros((N, nb + nb % 2), dtype=np.uint8)
+    padded[:, :nb] = zp
+    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)
+
+
 def emit_nbits(x: str, y: str, base: str, grid: tuple, bits: int, block_size: int, K: int,
                 accuracy_level: int, sums: dict | None = None) -> tuple[list, list]:
     """Nodes and initializers computing y = x @ W for W given as _grid's (q [N,nb,bs], scale [N,nb], offset
@@ -401,15 +412,16 @@ def emit_nbits(x: str, y: str, base: str, grid: tuple, bits: int, block_size: in
     among the weights that read it (each small op costs ~5 us of dispatch, which is what offsets cost)."""
     from onnx import numpy_helper
 
-    q, scale, offset = grid
+    q, scale, offset, *rest = grid
+    zero_point = rest[0] if rest else None  # [N, nb] uint8 integer zero points (AWQ/GPTQ), or None
     N, nb, bs = q.shape
     mk = onnx.helper.make_node
     inits = [numpy_helper.from_array(pack_codes(q, bits), f"{base}.qweight"),
              numpy_helper.from_array(scale.reshape(-1).astype(np.float32), f"{base}.scales")]
     ins = [x, f"{base}.qweight", f"{base}.scales"]
-    if offset is not None:  # integer zero point 0; the float offsets follow below
-        zp_len = N * nb if bits == 8 else N * ((nb + 1) // 2)
-        inits.append(numpy_helper.from_array(np.zeros(zp_len, dtype=np.uint8), f"{base}.zero_points"))
+    if offset is not None or zero_point is not None:  # integer zero points (0 under a float offset)
+        zp = np.zeros((N, nb), dtype=np.uint8) if zero_point is None else zero_point.astype(np.uint8)
+        inits.append(numpy_helper.from_array(pack_zero_points(zp, bits), f"{base}.zero_points"))
         ins.append(f"{base}.zero_points")
     out = y if offset is None else f"{base}.q_out"
     nodes = [mk("MatMulNBits", ins, [out], name=f"{base}.nbits", domain="com.microsoft",
