@@ -141,6 +141,10 @@ class GGUFSource:
     def quantized_tensor(self, name: str) -> bool:
         return self.tensor(name).fmt not in FLOAT_TYPES
 
+    def stored_dtype(self, name: str) -> str:
+        """The tensor's ggml type name ("F16", "Q4_K", ...)."""
+        return self.tensors[name].tensor_type.name
+
     def tensor(self, name: str) -> GGUFTensor:
         t = self.tensors[name]
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -167,7 +171,7 @@ class GGUFSource:
             return np.asarray(t.data, dtype=np.float32).reshape(t.shape)[rows]
         return self.floats(name)[rows]
 
-    def matrix(self, name: str, carry_codes: bool, rows: np.ndarray | None = None):
+    def matrix(self, name: str, carry_codes: bool = False, rows: np.ndarray | None = None):
         """A weight [out, in] as Carried codes (carry_codes, quantized types) or as float32 [in, out] for MatMul;
         `rows` reorders its output rows."""
         t = self.tensor(name)

@@ -69,6 +69,10 @@ class DecoderWeights:
     def embed_carried(self) -> bool:
         return isinstance(self.embed, Carried)
 
+    def head_matrix(self) -> np.ndarray:
+        """The LM head as the float [D, V] MatMul weight (the embedding's transpose when tied)."""
+        return np.ascontiguousarray(self.embed.T) if self.lm_head is None else self.lm_head
+
 
 def weights_from_torch(model) -> DecoderWeights:
     """Read a transformers Llama/Mistral/Qwen2 model into plain numpy arrays."""
@@ -170,8 +174,14 @@ class _Builder:
         self._n = 0
 
     def init(self, name: str, arr: np.ndarray) -> str:
-        """A float initializer, rounded once from its source precision to the graph's float type."""
-        return self.add(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=self.dtype), name))
+        """A float initializer, rounded once from its source precision to the graph's float type (with a sink,
+        written from the array itself: no serialized copy of a large matrix is held beside it)."""
+        arr = np.ascontiguousarray(arr, dtype=self.dtype)
+        if self.sink is None or name in self._names:
+            return self.add(numpy_helper.from_array(arr, name))
+        self._names.add(name)
+        self.inits.append(self.sink.put_array(name, arr))
+        return name
 
     def add(self, tensor: onnx.TensorProto) -> str:
         """An initializer as it is (its own type); one already added under the name is kept (shared codes)."""
@@ -316,9 +326,15 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     elif tied:
         # Tied head: store the matrix once, as the head's [D, V] MatMul weight (MatMul beats Gemm with
         # transB at verification widths), and look embeddings up as its columns.
-        head = b.init("lm_head.weight", np.ascontiguousarray(w.embed.T))
+        head = b.init("lm_head.weight", w.head_matrix())
         cols = b.op("Gather", [head, "input_ids"], name="embed", axis=1)[0]  # [D,B,T]
         x = b.op("Transpose", [cols], name="embed.transpose", perm=[1, 2, 0])[0]  # [B,T,D]
+    elif getattr(w, "embed_half", False) and b.dtype == np.float32:
+        # A float16 table (an fp16 checkpoint's, or AWQ/GPTQ's unquantized one) is stored as it is and its T rows
+        # widened after the Gather: exact (float16 -> float32 is), half the bytes of a float32 copy.
+        table = b.add(numpy_helper.from_array(np.asarray(w.embed, dtype=np.float16), "embed.weight"))
+        rows = b.op("Gather", [table, "input_ids"], name="embed")[0]  # [B,T,D] float16
+        x = b.op("Cast", [rows], name="embed.cast", to=onnx.TensorProto.FLOAT)[0]  # [B,T,D]
     else:
         x = b.op("Gather", [b.init("embed.weight", w.embed), "input_ids"], name="embed")[0]  # [B,T,D]
     if features is not None:
@@ -330,10 +346,10 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         x = b.op("Add", [b.op("MatMul", [cat, b.init("features.fc.weight", features.fc)], name="features.fc")[0],
                          b.init("features.fc.bias", features.fc_bias)], name="features.fc_bias")[0]  # [B,T,D]
     if logits and head_vocab is not None:
-        full = w.embed.T if tied else w.lm_head  # [D, V]
+        full = w.head_matrix()  # [D, V]
         head = b.init("draft_head.weight", np.ascontiguousarray(full[:, np.asarray(head_vocab)]))  # [D, N]
     elif logits and head is None and not carried_head:
-        head = b.init("lm_head.weight", np.ascontiguousarray(w.embed.T) if tied else w.lm_head)
+        head = b.init("lm_head.weight", w.head_matrix())
     pad_rows = None
     if pad_attention:
         if first_layer or tree or features is not None:
@@ -385,7 +401,7 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
                                       [pending, residual, b.init("final_norm", w.final_norm)], n_out=4,
                                       domain=MS, name="final_norm", epsilon=eps)  # [B,T,D]
         if exact_argmax:
-            add_exact_argmax(b, normed, head, w.embed.T if tied else w.lm_head)  # [B,A]
+            add_exact_argmax(b, normed, head, w.head_matrix())  # [B,A]
         rows = b.op("Gather", [normed, LOGITS_ROWS], name="logits_rows", axis=1)[0] if logits_rows else normed
         if carried_head:
             _linear(b, rows, w.embed if tied else head_parts(w.lm_head), "lm_head", out="logits")  # [B,R,V]

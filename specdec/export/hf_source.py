@@ -26,6 +26,7 @@ PREFIX = "model."
 # uint16 and widened here.
 NUMPY_DTYPES = ("F32", "F16", "F64")
 BF16 = "BF16"
+MAPPED_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, BF16: np.uint16}
 PACKED_SUFFIXES = (".qweight", ".qzeros", ".g_idx")  # the int32 tensors of AWQ/GPTQ linear layers
 
 
@@ -86,11 +87,6 @@ def _weight_files(folder: Path) -> list[Path]:
 def _base(name: str) -> str:
     """A linear layer's name without its tensor suffix ("...q_proj.weight" -> "...q_proj")."""
     return name.rsplit(".", 1)[0]
-
-
-def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns (uint16) widened exactly to float32: they are its high half."""
-    return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
 class SafetensorsSource:
@@ -219,6 +215,10 @@ class SafetensorsSource:
                     out.append((base + ".weight", f"{self.scheme.label} act-order"))
         return out
 
+    def stored_dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype ("F16", "BF16", "F32", "I32")."""
+        return self.index[name][1]
+
     def _tensor(self, name: str) -> np.ndarray | None:
         """A tensor as stored (numpy), or None when the checkpoint lacks it."""
         if name not in self.index:
@@ -237,48 +237,52 @@ class SafetensorsSource:
             self._open[file] = safe_open(str(file), framework="numpy")
         return self._open[file]
 
-    def _raw_bf16(self, name: str) -> np.ndarray:
-        """The tensor's bytes as uint16, memory-mapped from its file (safetensors' header gives where they lie)."""
-        file, _dtype, shape = self.index[name]
+    def _mapped(self, name: str) -> np.ndarray:
+        """A float tensor memory-mapped from its file as stored (bfloat16 as its uint16 bit patterns): nothing is
+        read until used (safetensors' header gives where the bytes lie)."""
+        file, dtype, shape = self.index[name]
         if file not in self._headers:
             with open(file, "rb") as f:
                 n = struct.unpack("<Q", f.read(8))[0]
                 self._headers[file] = (8 + n, json.loads(f.read(n)))
         start, header = self._headers[file]
         begin, end = header[name]["data_offsets"]
-        raw = np.memmap(file, dtype=np.uint16, mode="r", offset=start + begin, shape=((end - begin) // 2,))
-        return raw.reshape(shape)
+        np_dtype = MAPPED_DTYPES[dtype]
+        count = (end - begin) // np.dtype(np_dtype).itemsize
+        return np.memmap(file, dtype=np_dtype, mode="r", offset=start + begin, shape=(count,)).reshape(shape)
+
+    def _widened(self, name: str, arr: np.ndarray) -> np.ndarray:
+        """Stored values (a mapped view, any layout) as a new C-ordered float32 array: one allocation."""
+        if self.index[name][1] == BF16:
+            bits = np.ascontiguousarray(arr, dtype=np.uint32)
+            bits <<= 16  # bfloat16 is float32's high half
+            return bits.view(np.float32)
+        return np.ascontiguousarray(arr, dtype=np.float32)
 
     def floats(self, name: str) -> np.ndarray:
         """A tensor as float32, its stored shape ([out, in] for matrices)."""
         if self.quantized_tensor(name):
             return dequantize(self.scheme, *self._packed(_base(name)))  # [out, in]
-        file, dtype, _shape = self.index[name]
-        if dtype == BF16:
-            return _bf16_to_f32(self._raw_bf16(name))
-        return np.asarray(self._handle(file).get_tensor(name), dtype=np.float32)
+        return self._widened(name, self._mapped(name))
 
     def float_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows of a matrix as float32 [len(rows), K], without reading the rest."""
-        rows = np.asarray(rows)
         if self.quantized_tensor(name):
-            return self.floats(name)[rows]
-        file, dtype, _shape = self.index[name]
-        if dtype == BF16:
-            return _bf16_to_f32(np.asarray(self._raw_bf16(name)[rows]))
-        sl = self._handle(file).get_slice(name)
-        if len(rows) and np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
-            return np.asarray(sl[int(rows[0]):int(rows[0]) + len(rows)], dtype=np.float32)
-        return np.stack([np.asarray(sl[int(r):int(r) + 1], dtype=np.float32)[0] for r in rows])
+            return self.floats(name)[np.asarray(rows)]
+        return self._widened(name, self._mapped(name)[np.asarray(rows)])
 
     def matrix(self, name: str, carry_codes: bool = False, rows: np.ndarray | None = None):
         """A weight stored [out, in], as float32 [in, out] for MatMul, or (carry_codes, AWQ/GPTQ layers) as its own
-        codes (Carried [out, nb, block]); `rows` reorders its output rows."""
+        codes (Carried [out, nb, block]); `rows` reorders its output rows. A float matrix is transposed and widened
+        in one copy from the mapped file (an LM head of 150k rows is the largest array an export holds)."""
         if carry_codes and self.quantized_tensor(name):
             c = carried(self.scheme, *self._packed(_base(name)))
             return c if rows is None else c.rows(rows)
-        w = self.floats(name)
-        return np.ascontiguousarray((w if rows is None else w[rows]).T)
+        if self.quantized_tensor(name):
+            w = self.floats(name)
+            return np.ascontiguousarray((w if rows is None else w[rows]).T)
+        stored = self._mapped(name)
+        return self._widened(name, (stored if rows is None else stored[rows]).T)
 
     def layer(self, i: int, carry_codes: bool = False) -> LayerWeights:
         """Layer i's weights, every matrix float32 [in, out] or (carry_codes) a quantized layer's Carried codes."""

@@ -79,11 +79,20 @@ class LazyWeights:
         return self._carries(self.src.embed_name)
 
     @property
+    def embed_half(self) -> bool:
+        """Whether the source stores the (untied, unquantized) embedding as float16: the graph keeps it so."""
+        return not self.tied and not self.embed_carried and self.src.stored_dtype(self.src.embed_name) == "F16"
+
+    @property
     def embed(self):
         """[V, D]: Carried codes (carry) or float32."""
         if self.embed_carried:
             return self.src.matrix(self.src.embed_name, True)
         return self.src.floats(self.src.embed_name)
+
+    def head_matrix(self) -> np.ndarray:
+        """The float LM head [D, V] (the embedding's transpose when tied), read from the source in one copy."""
+        return self.src.matrix(self.src.head_name or self.src.embed_name)
 
     @property
     def lm_head(self):
