@@ -263,6 +263,35 @@ def test_not_enough_memory_for_the_kv_length_is_said_before_loading(tiny_gguf_bu
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_pages_are_paged_out_while_the_block_runs(tmp_path):
+    """session.paging_out pages a mapped file out while its block still runs (a session's load: onnxruntime
+    releases the GIL), not only at its end; a pager that never runs (injected) leaves the pages resident."""
+    import time
+
+    from specdec.runtime import session
+
+    data = tmp_path / "w.data"
+    data.write_bytes(np.random.default_rng(0).integers(0, 255, 16 << 20, dtype=np.uint8).tobytes())
+    mapped = np.memmap(data, dtype=np.uint8, mode="r")
+
+    def touched_then_waited(pager_every: float) -> int:
+        with session.paging_out(data):
+            int(mapped[::4096].sum())  # every page resident
+            touched = session.resident_bytes(data)
+            time.sleep(3 * pager_every)
+            during = session.resident_bytes(data)
+        assert touched >= 15 << 20
+        return during
+
+    assert touched_then_waited(session.PAGE_OUT_EVERY_S) < 1 << 20
+    every = session.PAGE_OUT_EVERY_S
+    session.PAGE_OUT_EVERY_S = 3600.0
+    try:
+        assert touched_then_waited(0.1) >= 15 << 20
+    finally:
+        session.PAGE_OUT_EVERY_S = every
+
+
 def test_loading_leaves_no_weight_file_pages_resident(tiny_gguf_bundle, tmp_path, monkeypatch):
     """onnxruntime keeps the weight file mapped after prepacking its weights into its own memory; the pages it read
     stay counted in RSS unless paged out after loading, and paging them out changes no output."""

@@ -7,6 +7,7 @@ while the other runs and on a 2-core machine that costs all of speculation's gai
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,14 +112,43 @@ def make_session(path: Path, opts: RuntimeOptions) -> ort.InferenceSession:
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3  # ORT's warnings about unused initializers etc. are not the user's problem
     try:
-        session = ort.InferenceSession(str(path), sess_options=so, providers=provider_list(opts))
+        with paging_out(Path(str(path) + ".data")):
+            session = ort.InferenceSession(str(path), sess_options=so, providers=provider_list(opts))
     except SpecdecError:
         raise
     except Exception as e:  # ORT raises its own exception types for corrupt/truncated graphs
         msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise SpecdecError(f"cannot load graph {path}: {msg}", "the bundle may be corrupt; re-export it") from None
-    release_mapped_pages(Path(str(path) + ".data"))
     return session
+
+
+PAGE_OUT_EVERY_S = 0.2
+
+
+@contextmanager
+def paging_out(data_file: Path):
+    """Page out the weight file's resident pages every PAGE_OUT_EVERY_S while the block runs, and once after it.
+
+    onnxruntime releases the GIL while it builds a session; meanwhile it reads each prepacked initializer from the
+    mapped file into memory of its own. Without this, every page it read stays resident until the load ends, and
+    the load's peak is the private copies plus most of the file; with it, the peak is the copies plus the pages of
+    the last fraction of a second."""
+    import threading
+
+    done = threading.Event()
+
+    def pager() -> None:
+        while not done.wait(PAGE_OUT_EVERY_S):
+            release_mapped_pages(data_file)
+
+    thread = threading.Thread(target=pager, name="specdec-page-out", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        release_mapped_pages(data_file)
 
 
 MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now; dirty private pages (none here) are left alone
