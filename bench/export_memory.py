@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""What `specdec export` spends on real GGUFs: peak RSS, wall time, bundle size against the file's, per graph.
+"""What `specdec export` spends on real models: peak RSS, wall time, bundle size against the source's, per graph.
 
-Each export runs as its own process under /usr/bin/time -v (peak RSS of the largest process, the tokenizer's
-child included), one after the other.
+Sources: the Qwen2.5-Coder GGUFs (bench/models.py) and GPTQ checkpoint folders written from them
+(bench/quantized_checkpoint.py). Each export runs as its own process under /usr/bin/time -v (peak RSS of the largest
+process, the tokenizer's child included), one after the other.
 
     .venv/bin/python bench/export_memory.py --out bench/results/qwen/export_memory.json
 """
@@ -26,7 +27,26 @@ CASES = {
     "qwen-0.5b": (["qwen-0.5b"], []),
     "qwen-1.5b": (["qwen-1.5b"], []),
     "qwen-1.5b+0.5b-draft": (["qwen-1.5b"], ["qwen-0.5b"]),
+    "qwen-0.5b-gptq": (["qwen-0.5b:gptq"], []),
+    "qwen-1.5b-gptq": (["qwen-1.5b:gptq"], []),
 }
+
+
+def source(name: str) -> Path:
+    """A GGUF ("qwen-1.5b") or a GPTQ/AWQ folder written from it ("qwen-1.5b:gptq")."""
+    if ":" not in name:
+        return models.fetch(name)
+    import quantized_checkpoint
+
+    model, method = name.split(":")
+    out = models.models_cache() / f"{model}-{method}-g128-rtn"
+    if not (out / "config.json").is_file():
+        quantized_checkpoint.write_checkpoint(models.fetch(model), out, method, 128)
+    return out
+
+
+def size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
 
 
 def run_case(target: Path, draft: Path | None, folder: Path) -> dict:
@@ -46,9 +66,9 @@ def run_case(target: Path, draft: Path | None, folder: Path) -> dict:
         graphs[name] = {"bytes": sum((out / f).stat().st_size for f in files), "precision": g["precision"],
                         "formats": g.get("quant", {}).get("formats"), "checks": g.get("checks", {})}
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    sources = target.stat().st_size + (draft.stat().st_size if draft else 0)
+    sources = size(target) + (size(draft) if draft else 0)
     return {"peak_rss_mb": round(peak_kb / 1024, 1), "wall_s": round(wall, 1), "bundle_mb": round(total / 1e6, 1),
-            "gguf_mb": round(sources / 1e6, 1), "bundle_over_gguf": round(total / sources, 3), "graphs": graphs}
+            "source_mb": round(sources / 1e6, 1), "bundle_over_source": round(total / sources, 3), "graphs": graphs}
 
 
 def main() -> int:
@@ -59,8 +79,8 @@ def main() -> int:
     result = {}
     for case in args.cases.split(","):
         targets, drafts = CASES[case]
-        target = models.fetch(targets[0])
-        draft = models.fetch(drafts[0]) if drafts else None
+        target = source(targets[0])
+        draft = source(drafts[0]) if drafts else None
         with tempfile.TemporaryDirectory(prefix="specdec-export-") as tmp:
             result[case] = run_case(target, draft, Path(tmp))
             shutil.rmtree(tmp, ignore_errors=True)

@@ -255,3 +255,19 @@ def test_quantized_checkpoint_with_a_torch_only_drafter_is_one_error(base_checkp
     qdir, _ = quantized_checkpoint(base_checkpoint, tmp_path / "q", "awq", 4, 32)
     with pytest.raises(SpecdecError, match="AWQ/GPTQ checkpoint"):
         export_bundle(qdir, tmp_path / "b", ExportConfig(drafter="self-int8", max_len=128))
+
+
+def test_cli_export_names_the_checkpoints_codes_and_refuses_act_order_in_one_line(base_checkpoint, tmp_path):
+    from click.testing import CliRunner
+
+    from specdec.cli import main
+
+    qdir, _ = quantized_checkpoint(base_checkpoint, tmp_path / "q", "gptq", 4, 32)
+    ok = CliRunner().invoke(main, ["export", str(qdir), "-o", str(tmp_path / "b"), "--drafter", "none", "--max-len", "128"])
+    assert ok.exit_code == 0, ok.output
+    assert "the checkpoint's own codes (" in ok.output and "GPTQ 4-bit g32 x" in ok.output
+    act, _ = quantized_checkpoint(base_checkpoint, tmp_path / "act", "gptq", 4, 32, act_order=True)
+    bad = CliRunner().invoke(main, ["export", str(act), "-o", str(tmp_path / "c"), "--drafter", "none",
+                                      "--max-len", "128"])
+    assert bad.exit_code != 0 and isinstance(bad.exception, SystemExit) and "Traceback" not in bad.output
+    assert "act-order" in bad.output and "--precision fp32" in bad.output and not (tmp_path / "c").exists()

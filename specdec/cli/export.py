@@ -17,8 +17,9 @@ from specdec.errors import SpecdecError
               help="none | ngram | self-int8 | self-int4 | layerskip | eagle | medusa | model:PATH (another specdec bundle, "
                    "or a GGUF file exported into this bundle).")
 @click.option("--precision", default="auto", show_default=True,
-              help="Target precision: gguf (a quantized GGUF's own codes, streamed) | fp32 | fp16 (for GPUs) | int8 | "
-                   "int4. auto: gguf for a quantized GGUF with drafter none, ngram or model:PATH, else fp32.")
+              help="Target precision: gguf (the own codes of a quantized GGUF or AWQ/GPTQ checkpoint, streamed) | fp32 | "
+                   "fp16 (for GPUs) | int8 | int4. auto: gguf for a quantized GGUF or AWQ/GPTQ checkpoint with "
+                   "drafter none, ngram or model:PATH, else fp32.")
 @click.option("--max-len", default=2048, show_default=True, help="Default KV buffer length (tokens).")
 @click.option("--draft-len", callback=parse_draft_len, default=None,
               help="Default drafted tokens per round, or auto (default: auto for ngram, else 4).")
@@ -62,9 +63,10 @@ def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_l
     corpus_note = ", with the shipped corpus" if manifest.drafter.corpus else ""
     target = manifest.graphs["target"]
     precision = target.precision
-    if target.quant.get("method") == "gguf":  # the file's own codes: say which formats
+    method = target.quant.get("method")
+    if method in ("gguf", "awq", "gptq"):  # the source's own codes: say which formats
         formats = ", ".join(f"{k} x{v}" for k, v in target.quant.get("formats", {}).items())
-        precision = f"the GGUF's own codes ({formats})"
+        precision = f"the {'GGUF' if method == 'gguf' else 'checkpoint'}'s own codes ({formats})"
     click.echo(f"wrote {out_dir} ({size / 1e6:.0f} MB, target {precision}, "
                f"drafter {cfg.drafter}{corpus_note}) in {time.perf_counter() - t0:.0f} s")
     note_int8_weight_only(manifest.graphs["target"].precision, fast_kernels)
