@@ -154,3 +154,27 @@ def test_qwen15_with_its_05_draft_in_one_bundle(tmp_path_factory):
     got = spec.generate(PROMPTS[0], GenerationConfig(max_new_tokens=32, draft_len=4))
     assert got.token_ids == want.token_ids
     assert got.stats.accepted > 0 and got.stats.target_forwards < want.stats.target_forwards
+
+
+def test_qwen05_as_a_gptq_checkpoint(tmp_path_factory):
+    """A real-size GPTQ folder (bench/quantized_checkpoint.py writes it from the 0.5B GGUF: 4-bit codes per 128
+    inputs, packed as AutoGPTQ packs them): exported at its own codes within 2 GB, the graph agreeing with the
+    reference forward of the decoded weights, speculation token-identical to plain decoding."""
+    import quantized_checkpoint  # bench/quantized_checkpoint.py
+
+    folder = models.models_cache() / "qwen-0.5b-gptq-g128-rtn"
+    if not (folder / "config.json").is_file():
+        quantized_checkpoint.write_checkpoint(fetched("qwen-0.5b"), folder, "gptq", 128)
+    out = tmp_path_factory.mktemp("qwen") / "q05-gptq"
+    peak = export_in_child([folder, "--drafter", "ngram", "--max-len", "1024"], out)
+    assert peak < 2.0e9, peak
+    t = json.loads((out / "specdec.json").read_text())["graphs"]["target"]
+    assert t["quant"]["method"] == "gptq" and "GPTQ 4-bit g128" in t["quant"]["formats"]
+    assert t["checks"]["max_abs_logit_diff_vs_reference_forward"] <= t["checks"]["tolerance"]
+    assert t["checks"]["top1_agreement_vs_reference_forward"] == 1.0
+    plain = specdec.load(out, drafter="none")
+    spec = specdec.load(out, drafter="ngram")
+    want = plain.generate(PROMPTS[0], GenerationConfig(max_new_tokens=48, draft_len=0))
+    got = spec.generate(PROMPTS[0], GenerationConfig(max_new_tokens=48, draft_len="auto"))
+    assert got.token_ids == want.token_ids
+    assert "def" in want.text
