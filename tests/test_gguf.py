@@ -322,3 +322,21 @@ def test_loading_leaves_no_weight_file_pages_resident(tiny_gguf_bundle, tmp_path
         want = specdec.load(bundle, drafter="none").generate(
             "the quick brown fox", GenerationConfig(max_new_tokens=16, draft_len=0)).token_ids
     assert got == want
+
+
+def test_int4_of_a_gguf_streams_rounding_each_layer(tiny_gguf, tmp_path):
+    """`--precision int4 --fast-kernels` of a GGUF streams (export/rounded.py: no torch model): each layer is read
+    as floats and rounded to 4-bit blocks of 32 (a weight already on such a grid would be re-encoded exactly), the
+    head to 8 bits. The graph matches a reference forward of the rounded weights, every step runs >= 2 positions,
+    and speculation is token-identical to plain decoding."""
+    m = export_bundle(tiny_gguf, tmp_path / "b", ExportConfig(drafter="ngram", precision="int4", fast_kernels=True,
+                                                               max_len=128))
+    t = m.graphs["target"]
+    assert t.precision == "int4" and t.quant["method"] == "matmul_nbits_minmax" and t.min_step_tokens == 2
+    assert t.quant["formats"] == {"4bit_sym_rtn": 2 * 5, "8bit_sym_rtn": 1}  # 5 matrices a layer, the head
+    assert t.checks["max_abs_logit_diff_vs_reference_forward"] <= t.checks["tolerance"]
+    plain = specdec.load(tmp_path / "b", drafter="none")
+    spec = specdec.load(tmp_path / "b", drafter="ngram")
+    for prompt in ["the quick brown fox the quick brown fox", "hello world"]:
+        want = plain.generate(prompt, GenerationConfig(max_new_tokens=24, draft_len=0)).token_ids
+        assert spec.generate(prompt, GenerationConfig(max_new_tokens=24, draft_len=3)).token_ids == want

@@ -144,6 +144,24 @@ def test_packed_codes_decode_to_the_formats_arithmetic(method, bits, group, v1):
             hq.AWQ_ORDER = order
 
 
+def test_act_order_codes_decode_to_the_formats_arithmetic():
+    """Scattered groups (g_idx a permutation of k // 32): the carried grid, read in its input order, decodes to
+    s[g_idx[k]] * (q - z[g_idx[k]]), as the float path does."""
+    rng = np.random.default_rng(5)
+    N, K, g = 16, 128, 32
+    q = rng.integers(0, 16, size=(K, N)).astype(np.uint8)
+    z = rng.integers(0, 16, size=(K // g, N)).astype(np.uint8)
+    s = rng.uniform(0.001, 0.05, size=(K // g, N)).astype(np.float16)
+    g_idx = (np.arange(K) // g)[rng.permutation(K)].astype(np.int32)
+    p = packed_layer("gptq", q, z, s, 4)
+    scheme = QuantScheme("gptq", 4, g, 1, desc_act=True)
+    want = (s.astype(np.float32)[g_idx] * (q.astype(np.float32) - z[g_idx])).T  # [N, K]
+    c = carried(scheme, p["qweight"], p["qzeros"], p["scales"], g_idx)
+    assert c.input_order is not None and np.array_equal(np.sort(c.input_order), np.arange(K))
+    np.testing.assert_array_equal(c.dequantize(), want)
+    np.testing.assert_array_equal(dequantize(scheme, p["qweight"], p["qzeros"], p["scales"], g_idx), want)
+
+
 def test_carried_zero_points_run_in_matmulnbits():
     """The carried codes with their uint8 zero points (4 and 8 bits, odd block counts) through onnxruntime's
     MatMulNBits at fp32 activations: the float weights' product within fp32 rounding."""
@@ -224,18 +242,55 @@ def test_quantized_checkpoint_speculates_losslessly(base_checkpoint, tmp_path):
     assert drafted > 0
 
 
-def test_act_order_is_one_error_then_dequantized(base_checkpoint, tmp_path):
-    """GPTQ act-order (scattered groups): carrying is refused in one error naming the layer and the fallback;
-    --precision fp32 dequantizes it to the weights the test computes."""
+def test_act_order_is_carried_by_permuting_the_inputs(base_checkpoint, tmp_path):
+    """GPTQ act-order (each group a scattered set of inputs): the bundle permutes the weight's inputs so groups are
+    contiguous and gathers the activations in that order; its logits equal the fp32 graph of the weights the test
+    decodes, as does --precision fp32 (dequantized). A wrong permutation (injected: inputs left in order) fails."""
+    import onnx
+
+    import specdec.export.hf_quant as hq
+
     qdir, plain = quantized_checkpoint(base_checkpoint, tmp_path / "q", "gptq", 4, 32, act_order=True)
-    with pytest.raises(SpecdecError, match=r"act-order.*") as e:
+    ref = export_bundle(plain, tmp_path / "ref", ExportConfig(drafter="none", max_len=128))
+    want = graph_logits(tmp_path / "ref" / "target.onnx", ref.graphs["target"], IDS)
+
+    def fp32_activations_logits(folder: Path) -> np.ndarray:
+        m = export_bundle(qdir, folder, ExportConfig(drafter="none", max_len=128))
+        assert m.graphs["target"].quant["method"] == "gptq"
+        g = onnx.load_model(str(folder / "target.onnx"), load_external_data=False)
+        assert sum(n.op_type == "Gather" and "reorder" in n.name for n in g.graph.node) >= 2
+        for node in g.graph.node:
+            for a in node.attribute:
+                if node.op_type == "MatMulNBits" and a.name == "accuracy_level":
+                    a.i = 0
+        onnx.save_model(g, str(folder / "acc0.onnx"))
+        return graph_logits(folder / "acc0.onnx", m.graphs["target"], IDS)
+
+    bound = 1e-4 * max(1.0, np.abs(want).max())
+    assert np.abs(fp32_activations_logits(tmp_path / "b") - want).max() < bound
+    m = export_bundle(qdir, tmp_path / "f", ExportConfig(drafter="none", max_len=128, precision="fp32"))
+    got = graph_logits(tmp_path / "f" / "target.onnx", m.graphs["target"], IDS)
+    assert np.abs(got - want).max() < bound
+    original = hq.act_order
+    hq.act_order = lambda g_idx, group, G: np.arange(len(g_idx))
+    try:
+        with pytest.raises(SpecdecError, match="disagrees with the reference forward"):
+            fp32_activations_logits(tmp_path / "wrong")
+    finally:
+        hq.act_order = original
+
+
+def test_uneven_act_order_groups_are_one_error(base_checkpoint, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    qdir, _ = quantized_checkpoint(base_checkpoint, tmp_path / "q", "gptq", 4, 32, act_order=True)
+    tensors = load_file(str(qdir / "model.safetensors"))
+    name = next(k for k in tensors if k.endswith("q_proj.g_idx"))
+    tensors[name] = np.zeros_like(tensors[name])  # every input in group 0
+    save_file(tensors, str(qdir / "model.safetensors"))
+    with pytest.raises(SpecdecError, match="unevenly") as e:
         export_bundle(qdir, tmp_path / "b", ExportConfig(drafter="none", max_len=128))
     assert "--precision fp32" in e.value.hint and not (tmp_path / "b").exists()
-    m = export_bundle(qdir, tmp_path / "b", ExportConfig(drafter="none", max_len=128, precision="fp32"))
-    ref = export_bundle(plain, tmp_path / "ref", ExportConfig(drafter="none", max_len=128))
-    got = graph_logits(tmp_path / "b" / "target.onnx", m.graphs["target"], IDS)
-    want = graph_logits(tmp_path / "ref" / "target.onnx", ref.graphs["target"], IDS)
-    assert np.abs(got - want).max() < 1e-5 * max(1.0, np.abs(want).max())
 
 
 @pytest.mark.parametrize("qc,match", [({"quant_method": "bitsandbytes"}, "bitsandbytes"),
@@ -257,7 +312,7 @@ def test_quantized_checkpoint_with_a_torch_only_drafter_is_one_error(base_checkp
         export_bundle(qdir, tmp_path / "b", ExportConfig(drafter="self-int8", max_len=128))
 
 
-def test_cli_export_names_the_checkpoints_codes_and_refuses_act_order_in_one_line(base_checkpoint, tmp_path):
+def test_cli_export_names_the_checkpoints_codes_and_refuses_another_method_in_one_line(base_checkpoint, tmp_path):
     from click.testing import CliRunner
 
     from specdec.cli import main
@@ -266,8 +321,11 @@ def test_cli_export_names_the_checkpoints_codes_and_refuses_act_order_in_one_lin
     ok = CliRunner().invoke(main, ["export", str(qdir), "-o", str(tmp_path / "b"), "--drafter", "none", "--max-len", "128"])
     assert ok.exit_code == 0, ok.output
     assert "the checkpoint's own codes (" in ok.output and "GPTQ 4-bit g32 x" in ok.output
-    act, _ = quantized_checkpoint(base_checkpoint, tmp_path / "act", "gptq", 4, 32, act_order=True)
-    bad = CliRunner().invoke(main, ["export", str(act), "-o", str(tmp_path / "c"), "--drafter", "none",
-                                      "--max-len", "128"])
+    cfg = json.loads((qdir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    bad = CliRunner().invoke(main, ["export", str(qdir), "-o", str(tmp_path / "c"), "--drafter", "none",
+                                    "--max-len", "128"])
     assert bad.exit_code != 0 and isinstance(bad.exception, SystemExit) and "Traceback" not in bad.output
-    assert "act-order" in bad.output and "--precision fp32" in bad.output and not (tmp_path / "c").exists()
+    assert "bitsandbytes" in bad.output and len(bad.output.strip().splitlines()) <= 3
+    assert not (tmp_path / "c").exists()

@@ -3,6 +3,7 @@ bf16 widened exactly, checks that refuse, bounded memory, no torch in the export
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -134,8 +135,8 @@ def test_streamed_bundle_speculates_losslessly(streamed_bundle):
 
 
 def test_other_drafters_and_precisions_keep_the_torch_path(checkpoints, tmp_path):
-    """int8 has no streamed writer: the torch path exports it, checked against transformers."""
-    m = export_bundle(checkpoints["qwen2-fp32"], tmp_path / "b", ExportConfig(drafter="none", precision="int8",
+    """A drafter built from the torch model (self-int8) takes the torch path, checked against transformers."""
+    m = export_bundle(checkpoints["qwen2-fp32"], tmp_path / "b", ExportConfig(drafter="self-int8", precision="int8",
                                                                                max_len=64))
     assert "max_abs_logit_diff_vs_transformers" in m.graphs["target"].checks
 
@@ -254,3 +255,32 @@ def test_checkpoint_draft_model_in_one_command(checkpoints, tmp_path, tiny_token
         export_bundle(checkpoints["qwen2-bf16"], tmp_path / "c", ExportConfig(drafter=f"model:{other}", max_len=64))
     assert "different vocabulary" in str(e.value)
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("precision,fast", [("int4", False), ("int8", False), ("int4", True)])
+def test_streamed_int8_int4_round_each_layer_as_it_is_read(checkpoints, tmp_path, precision, fast):
+    """--precision int4/int8 of a checkpoint streams (export/rounded.py): no torch model, each layer rounded to
+    the preset's grids as it is read. Its logits are those of the torch path's bundle of the same preset within
+    the grids' rounding, its check ran against a reference forward of the rounded weights, and speculation is
+    token-identical to plain decoding."""
+    cfg = ExportConfig(drafter="ngram", precision=precision, fast_kernels=fast, max_len=128)
+    m = export_bundle(checkpoints["qwen2-fp32"], tmp_path / "s", cfg)
+    spec = m.graphs["target"]
+    assert spec.precision == precision and spec.quant["method"] == "matmul_nbits_minmax"
+    assert spec.quant["accuracy_level"] == (4 if fast else 0) and sum(spec.quant["formats"].values()) >= 2 * 5
+    assert spec.checks["max_abs_logit_diff_vs_reference_forward"] <= spec.checks["tolerance"]
+    assert "max_abs_logit_diff_vs_transformers" not in spec.checks  # not the torch path
+    assert (spec.min_step_tokens == 2) == fast
+    torch_path = export_bundle(checkpoints["qwen2-fp32"], tmp_path / "t", replace(cfg, stream=False))
+    got = graph_logits(tmp_path / "s" / "target.onnx", spec, IDS)
+    want = graph_logits(tmp_path / "t" / "target.onnx", torch_path.graphs["target"], IDS)
+    fp32 = transformers_logits(checkpoints["qwen2-fp32"], IDS)
+    # both roundings sit about as far from fp32 as each other (the torch path's int8 is onnxruntime's quantizer)
+    assert np.abs(got - fp32).max() < 2.0 * np.abs(want - fp32).max() + 1e-3
+    agree = {k: float(np.mean(v.argmax(-1) == fp32.argmax(-1))) for k, v in (("streamed", got), ("torch", want))}
+    assert agree["streamed"] >= agree["torch"] - 0.1, agree
+    plain = specdec.load(tmp_path / "s", drafter="none")
+    spec_engine = specdec.load(tmp_path / "s", drafter="ngram")
+    for prompt in ["the quick brown fox the quick brown fox", "hello world, this is"]:
+        want_ids = plain.generate(prompt, GenerationConfig(max_new_tokens=24, draft_len=0)).token_ids
+        assert spec_engine.generate(prompt, GenerationConfig(max_new_tokens=24, draft_len=3)).token_ids == want_ids

@@ -160,20 +160,20 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
     if precision == "gguf" and not (is_gguf(model_path) or _quantized_checkpoint(model_path)):
         raise SpecdecError(f"--precision gguf carries a GGUF file's (or an AWQ/GPTQ checkpoint's) own codes; "
                            f"{model_path} is neither", "export with --precision fp32, int8 or int4")
-    if is_gguf(model_path) and cfg.streams_gguf and precision in ("auto", "gguf", "fp32", "fp16"):
+    # int8/int4 stream too (export/rounded.py rounds each layer as it is read); stream=False keeps the torch path
+    streamed = ("auto", "gguf", "fp32", "fp16") + (("int8", "int4") if cfg.stream else ())
+    if is_gguf(model_path) and cfg.streams_gguf and precision in streamed:
         from specdec.export.gguf_source import GGUFSource
 
         step(f"reading {model_path.name}")
         src = GGUFSource(model_path)  # read once: its metadata takes seconds to parse for a 150k vocabulary
         precision = ("gguf" if src.quantized else "fp32") if precision == "auto" else precision
         return _export_streamed(src, out_dir, replace(cfg, precision=precision), step, draft_bundle, draft_streamed)
-    if _quantized_checkpoint(model_path) and not (cfg.stream and cfg.streams_gguf and
-                                                  precision in ("auto", "gguf", "fp32", "fp16")):
+    if _quantized_checkpoint(model_path) and not (cfg.stream and cfg.streams_gguf and precision in streamed):
         raise SpecdecError(f"{model_path} is an AWQ/GPTQ checkpoint: specdec reads it with drafter none, ngram or "
-                           "model:PATH, at its own precision (auto) or dequantized (fp32, fp16)",
-                           "choose one of those drafters and precisions")
-    if cfg.stream and _streams_checkpoint(model_path) and cfg.streams_gguf and precision in ("auto", "gguf", "fp32",
-                                                                                              "fp16"):
+                           "model:PATH, at its own precision (auto), dequantized (fp32, fp16) or rounded again "
+                           "(int8, int4)", "choose one of those drafters and precisions")
+    if cfg.stream and _streams_checkpoint(model_path) and cfg.streams_gguf and precision in streamed:
         from specdec.export.hf_source import SafetensorsSource
 
         step(f"reading {model_path.name}")
@@ -460,7 +460,14 @@ def _export_streamed(src, out_dir: Path, cfg: ExportConfig, step, draft_bundle: 
             step(f"checking the vocabulary of draft model {draft_streamed.name}")
             _check_streamed_draft_vocab(draft_streamed, tok_spec.vocab_digest)
         step(f"writing target graph ({cfg.precision}, {model_cfg.n_layers} layers)")
-        graphs = {"target": export_gguf_graph(src, partial / "target.onnx", cfg.precision, step)}
+        target, precision = src, cfg.precision
+        if precision in ("int8", "int4"):  # rounded as each layer is read: a carried source of its own
+            from specdec.export.rounded import RoundedSource
+
+            target = RoundedSource(src, (FAST_TARGET_PRESETS if cfg.fast_kernels else TARGET_PRESETS)[precision],
+                                   precision)
+            precision = "gguf"
+        graphs = {"target": export_gguf_graph(target, partial / "target.onnx", precision, step)}
         drafter = DrafterSpec(kind="none", draft_len=cfg.default_draft_len)
         if cfg.drafter == "ngram":
             drafter = DrafterSpec(kind="ngram", max_ngram=cfg.max_ngram, draft_len=cfg.default_draft_len)

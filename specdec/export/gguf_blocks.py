@@ -45,6 +45,9 @@ class Carried:
     bits: int
     fmt: str
     zero_point: np.ndarray | None = None  # [rows, nb] uint8, or None
+    # The inputs in the order the blocks hold them (GPTQ act-order groups scattered inputs): the weight reads
+    # x[..., input_order], and its column j is input input_order[j]. None: inputs in order.
+    input_order: np.ndarray | None = None  # [K] int64
 
     @property
     def block_size(self) -> int:
@@ -59,11 +62,15 @@ class Carried:
         w = self.scale[..., None] * (self.q.astype(np.float32) - zp)
         if self.offset is not None:
             w = w + self.offset[..., None]
-        return w.reshape(self.q.shape[0], -1)
+        w = w.reshape(self.q.shape[0], -1)
+        if self.input_order is not None:
+            w = w[:, np.argsort(self.input_order)]  # back to the inputs' own order
+        return w
 
     def rows(self, index) -> "Carried":
         return Carried(self.q[index], self.scale[index], None if self.offset is None else self.offset[index],
-                       self.bits, self.fmt, None if self.zero_point is None else self.zero_point[index])
+                       self.bits, self.fmt, None if self.zero_point is None else self.zero_point[index],
+                       self.input_order)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:

@@ -65,15 +65,24 @@ class GraphCheck:
 def gguf_graph_spec(file: str, src: GGUFSource, precision: str, min_step_tokens: int = 1) -> GraphSpec:
     cfg = src.config
     carried = precision == "gguf"
-    # "method": where the codes come from: "gguf", or a checkpoint's "awq" / "gptq" (export/hf_quant.py)
-    quant = {"method": src.quant_method, "accuracy_level": GGUF_ACCURACY_LEVEL, "formats": src.formats()} \
-        if carried else {}
+    # "method": where the codes come from: "gguf", a checkpoint's "awq" / "gptq" (export/hf_quant.py), or
+    # specdec's own rounding of float weights (export/rounded.py, whose quant() also names its preset)
+    quant = {}
+    if carried:
+        quant = src.quant() if hasattr(src, "quant") else \
+            {"method": src.quant_method, "accuracy_level": GGUF_ACCURACY_LEVEL, "formats": src.formats()}
     exact = precision == "fp32"
-    return GraphSpec(file=file, model=cfg, precision="int4" if carried else precision, n_layers=cfg.n_layers,
+    return GraphSpec(file=file, model=cfg, precision=getattr(src, "precision", "int4") if carried else precision,
+                     n_layers=cfg.n_layers,
                      inputs=CONTROL_INPUTS + (LOGITS_ROWS,) + ((ARGMAX_ROWS,) if exact else ())
                      + tuple(kv_input_names(cfg.n_layers)),
                      outputs=("logits", "argmax", *kv_output_names(cfg.n_layers)), quant=quant,
                      min_step_tokens=min_step_tokens, pads_attention_only=carried)
+
+
+def accuracy_level(src) -> int:
+    """The MatMulNBits kernels of a carried graph: the source's preset (export/rounded.py), else int8 activations."""
+    return getattr(src, "accuracy_level", GGUF_ACCURACY_LEVEL)
 
 
 def write_gguf_graph(src: GGUFSource, path: Path, precision: str,
@@ -96,7 +105,7 @@ def write_gguf_graph(src: GGUFSource, path: Path, precision: str,
     with ExternalData(path.with_name(path.name + ".data")) as sink:
         model = build_decoder_graph(src.config, weights, dtype=np.float16 if precision == "fp16" else np.float32,
                                     argmax=True, logits_rows=True, exact_argmax=precision == "fp32", sink=sink,
-                                    accuracy_level=GGUF_ACCURACY_LEVEL, pad_attention=carried)
+                                    accuracy_level=accuracy_level(src), pad_attention=carried)
     save_streamed(model, path)
     src.release()
     if progress is not None:
@@ -156,7 +165,7 @@ def export_gguf_graph(src: GGUFSource, path: Path, precision: str, step: Callabl
                            f"max |logit diff| {check.max_abs_diff:.2e} {bound}", "please report this model")
     checks = {**check.to_checks(), "export_seconds": round(time.perf_counter() - t0, 1)}
     spec = replace(spec, checks=checks)
-    if precision == "gguf":
+    if precision == "gguf" and accuracy_level(src) == 4:  # the fp32-activation kernels are T-invariant
         step(f"measuring the {what} graph's step-width invariance")
         min_step, step_checks = measure_min_step_tokens(path, spec)
         spec = replace(spec, min_step_tokens=min_step, checks={**spec.checks, **step_checks})

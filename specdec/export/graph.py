@@ -170,6 +170,7 @@ class _Builder:
         self.sink = sink
         self.accuracy_level = accuracy_level  # MatMulNBits kernels of carried (GGUF-quantized) weights
         self.block_sums: dict = {}  # (activation, block size) -> its block sums, shared by the weights reading it
+        self.reorders: dict = {}  # (activation, input order bytes) -> the activation's inputs in that order
         self._names: set[str] = set()
         self._n = 0
 
@@ -209,6 +210,8 @@ def _linear(b: _Builder, x: str, weight, name: str, out: str | None = None) -> s
     if isinstance(weight, Carried):
         from specdec.quant.weight_only import emit_nbits
 
+        if weight.input_order is not None:
+            x = _reordered(b, x, weight.input_order)  # [B,T,K] in the order the blocks hold the inputs
         K = weight.q.shape[1] * weight.block_size
         y = out or f"{name}/out0"
         nodes, inits = emit_nbits(x, y, name, (weight.q, weight.scale, weight.offset, weight.zero_point),
@@ -218,6 +221,16 @@ def _linear(b: _Builder, x: str, weight, name: str, out: str | None = None) -> s
         b.nodes.extend(nodes)
         return y
     return b.op("MatMul", [x, b.init(f"{name}.weight", weight)], name=name, outputs=[out] if out else None)[0]
+
+
+def _reordered(b: _Builder, x: str, order: np.ndarray) -> str:
+    """x[..., order], gathered once per (activation, order): weights sharing both (a layer's q, k and v) read one
+    copy."""
+    key = (x, order.tobytes())
+    if key not in b.reorders:
+        idx = b.add(numpy_helper.from_array(np.asarray(order, dtype=np.int64), f"{x}.order{len(b.reorders)}"))
+        b.reorders[key] = b.op("Gather", [x, idx], name=f"{x}.reorder{len(b.reorders)}", axis=-1)[0]
+    return b.reorders[key]
 
 
 # An untied carried LM head is written as vocabulary slices of at most this many bytes of codes, their logits

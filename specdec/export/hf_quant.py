@@ -10,10 +10,11 @@ are carried as they are (export/gguf_blocks.py's Carried with explicit zero poin
     gptq    4, 8  [K*bits/32, N], packed along K,     [K/g, N*bits/32], packed along  z - 1 ("gptq", v1);
                   value j at bits [j*bits, ...)       N the same way                  z ("gptq_v2")
 
-MatMulNBits's block is the group (g = 16..256, a power of two), or a power of two that divides it, each scale and
+MatMulNBits's block is the group (g = 16..128, a power of two), or a power of two that divides it, each scale and
 zero point repeated over the group's blocks (a group of -1, one group over all of K, is written that way too).
-GPTQ's act-order (desc_act: groups of scattered inputs, `g_idx`) has no block form; such a checkpoint is dequantized
-(--precision fp32) instead: `QuantScheme.carries` says which.
+GPTQ's act-order (desc_act: each group a scattered set of inputs, `g_idx`) is carried by permuting the weight's
+inputs so that every group is contiguous, and gathering the activations in the same order before the MatMulNBits
+(export/graph.py): the same products, summed in another order.
 """
 from __future__ import annotations
 
@@ -124,22 +125,35 @@ def carried(scheme: QuantScheme, qweight: np.ndarray, qzeros: np.ndarray | None,
     scales = np.asarray(scales, dtype=np.float32)  # [G, N]
     G, N = scales.shape
     K = qweight.shape[0] if scheme.method == "awq" else qweight.shape[0] * 32 // scheme.bits
-    if not trivial_groups(scheme, g_idx, K):
-        raise SpecdecError("GPTQ act-order (desc_act) groups scattered inputs, which MatMulNBits blocks cannot hold",
-                           "export with --precision fp32 to dequantize it")
     q, z = codes(scheme, qweight, qzeros, K, N)
     bs = _block(scheme.group_size, K)
     group = K if scheme.group_size <= 0 else scheme.group_size
     if K % group or K // group != G:
         raise SpecdecError(f"{G} groups of scales for {K} inputs with group size {scheme.group_size}",
                            "the checkpoint's quantization_config does not match its tensors")
+    order = None
+    if not trivial_groups(scheme, g_idx, K):
+        order = act_order(g_idx, group, G)
+        q = q[order]  # [K, N]: each group's inputs contiguous, group by group
     rep = group // bs  # MatMulNBits blocks per group
     if z is None:  # symmetric without stored zeros: the midpoint
         z = np.full((G, N), 1 << (scheme.bits - 1), dtype=np.uint8)
     return Carried(np.ascontiguousarray(q.T).reshape(N, K // bs, bs),  # [N, nb, bs]
                    np.ascontiguousarray(np.repeat(scales.T, rep, axis=1)),  # [N, nb]
                    None, scheme.bits, scheme.method.upper(),
-                   np.ascontiguousarray(np.repeat(z.T, rep, axis=1)))  # [N, nb]
+                   np.ascontiguousarray(np.repeat(z.T, rep, axis=1)),  # [N, nb]
+                   order)
+
+
+def act_order(g_idx: np.ndarray, group: int, G: int) -> np.ndarray:
+    """GPTQ act-order's input permutation: the inputs sorted by group (stably), so that group g is inputs
+    [g*group, (g+1)*group) of the permuted weight; the graph gathers the activations in the same order. Every group
+    must hold `group` inputs (GPTQ's act-order assigns them so); one error otherwise."""
+    g_idx = np.asarray(g_idx, dtype=np.int64).reshape(-1)
+    if g_idx.min() < 0 or g_idx.max() >= G or not np.all(np.bincount(g_idx, minlength=G) == group):
+        raise SpecdecError(f"g_idx assigns inputs to groups unevenly ({G} groups of {group} expected)",
+                           "export with --precision fp32 to dequantize it")
+    return np.argsort(g_idx, kind="stable")
 
 
 def trivial_groups(scheme: QuantScheme, g_idx: np.ndarray | None, K: int) -> bool:

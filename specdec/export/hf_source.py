@@ -16,7 +16,7 @@ import numpy as np
 
 from specdec.errors import SpecdecError
 from specdec.export.graph import LayerWeights
-from specdec.export.hf_quant import QuantScheme, carried, dequantize, trivial_groups
+from specdec.export.hf_quant import QuantScheme, carried, dequantize
 from specdec.export.streamed import LazyWeights, cat_rows
 from specdec.runtime.manifest import ModelConfig
 
@@ -203,17 +203,8 @@ class SafetensorsSource:
         return out
 
     def not_carried(self) -> list[tuple[str, str]]:
-        """(tensor, why) of the quantized layers MatMulNBits cannot hold exactly (GPTQ act-order groups)."""
-        if self.scheme is None or not self.scheme.desc_act:
-            return []
-        out = []
-        for name in self.index:
-            if name.endswith(".qweight"):
-                base = _base(name)
-                K = self._packed(base)[0].shape[0] * 32 // self.scheme.bits
-                if not trivial_groups(self.scheme, self._tensor(base + ".g_idx"), K):
-                    out.append((base + ".weight", f"{self.scheme.label} act-order"))
-        return out
+        """Every AWQ/GPTQ layer specdec reads is carried (export/hf_quant.py refuses the rest when reading config)."""
+        return []
 
     def stored_dtype(self, name: str) -> str:
         """The tensor's safetensors dtype ("F16", "BF16", "F32", "I32")."""

@@ -23,13 +23,22 @@ def cat_rows(parts: list):
     else a tuple the graph writer runs as three MatMulNBits and concatenates."""
     if all(isinstance(p, np.ndarray) for p in parts):
         return np.concatenate(parts, axis=1)  # [in, out]
-    if all(isinstance(p, Carried) for p in parts) and len({(p.fmt, p.bits, p.block_size) for p in parts}) == 1:
+    if all(isinstance(p, Carried) for p in parts) and len({(p.fmt, p.bits, p.block_size) for p in parts}) == 1 \
+            and _same_order([p.input_order for p in parts]):
         def cat(field: str):
             arrays = [getattr(p, field) for p in parts]
             return None if arrays[0] is None else np.concatenate(arrays)
 
-        return Carried(cat("q"), cat("scale"), cat("offset"), parts[0].bits, parts[0].fmt, cat("zero_point"))
+        return Carried(cat("q"), cat("scale"), cat("offset"), parts[0].bits, parts[0].fmt, cat("zero_point"),
+                       parts[0].input_order)
     return tuple(parts)
+
+
+def _same_order(orders: list) -> bool:
+    """Whether the weights read their inputs in one order (all in order, or one permutation)."""
+    if all(o is None for o in orders):
+        return True
+    return all(o is not None and np.array_equal(o, orders[0]) for o in orders)
 
 
 class _Layers(Sequence):
