@@ -29,6 +29,8 @@ CASES = {
     "qwen-1.5b+0.5b-draft": (["qwen-1.5b"], ["qwen-0.5b"]),
     "qwen-0.5b-gptq": (["qwen-0.5b:gptq"], []),
     "qwen-1.5b-gptq": (["qwen-1.5b:gptq"], []),
+    # the file's weights rounded again to the fast int4 preset, streamed (export/rounded.py)
+    "qwen-1.5b-int4": (["qwen-1.5b"], [], ["--precision", "int4", "--fast-kernels"]),
 }
 
 
@@ -49,10 +51,10 @@ def size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
 
 
-def run_case(target: Path, draft: Path | None, folder: Path) -> dict:
+def run_case(target: Path, draft: Path | None, folder: Path, extra: list[str] = ()) -> dict:
     out = folder / "bundle"
     cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "specdec.cli", "export", str(target), "-o", str(out),
-           "--drafter", f"model:{draft}" if draft else "none"]
+           "--drafter", f"model:{draft}" if draft else "none", *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -78,11 +80,11 @@ def main() -> int:
     args = ap.parse_args()
     result = {}
     for case in args.cases.split(","):
-        targets, drafts = CASES[case]
+        targets, drafts, *extra = CASES[case]
         target = source(targets[0])
         draft = source(drafts[0]) if drafts else None
         with tempfile.TemporaryDirectory(prefix="specdec-export-") as tmp:
-            result[case] = run_case(target, draft, Path(tmp))
+            result[case] = run_case(target, draft, Path(tmp), *extra)
             shutil.rmtree(tmp, ignore_errors=True)
         print(case, json.dumps({k: v for k, v in result[case].items() if k != "graphs"}), file=sys.stderr)
     text = json.dumps(result, indent=1)

@@ -21,6 +21,7 @@ from specdec.quant.weight_only import EXACT_TOLERANCE, WeightQuantConfig
 
 MATRICES = ("qkv", "o_proj", "gate", "up", "down")  # LayerWeights' matrices
 CHUNK_COLS = 8192  # output columns rounded at a time
+PROBE_COLS = 64  # output columns tried first on each exact grid
 
 
 class RoundedSource:
@@ -73,8 +74,9 @@ class RoundedSource:
                                "export with --precision fp32, or use `specdec quantize` on an fp32 bundle")
         chunks = [slice(n0, min(N, n0 + CHUNK_COLS)) for n0 in range(0, N, CHUNK_COLS)]
         tried = ((4, True), (4, False), (8, True), (8, False)) if self.cfg.method == "minmax" else ()
+        probe = [slice(0, min(N, PROBE_COLS))]  # a weight off a grid shows it in its first columns: cheap to refuse
         for grid_bits, symmetric in tried:
-            if all(_grid(_blocks(w[:, c], bs), grid_bits, symmetric)[3] <= EXACT_TOLERANCE for c in chunks):
+            if all(_grid(_blocks(w[:, c], bs), grid_bits, symmetric)[3] <= EXACT_TOLERANCE for c in probe + chunks):
                 return self._chunked(w, chunks, grid_bits, symmetric, "exact")
         return self._chunked(w, chunks, bits, self.cfg.symmetric, "rtn")
 
