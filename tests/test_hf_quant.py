@@ -131,7 +131,7 @@ def test_packed_codes_decode_to_the_formats_arithmetic(method, bits, group, v1):
     scheme = QuantScheme(method, bits, group, 1 if (method == "gptq" and v1) else 0)
     want = (np.repeat(s.astype(np.float32), g, axis=0) * (q.astype(np.float32) - np.repeat(z, g, axis=0))).T  # [N, K]
     c = carried(scheme, p["qweight"], p["qzeros"], p["scales"])
-    assert c.block_size == min(g, 128) and c.zero_point is not None
+    assert c.block_size == min(g, 32) and c.zero_point is not None
     np.testing.assert_array_equal(c.dequantize(), want)
     np.testing.assert_array_equal(dequantize(scheme, p["qweight"], p["qzeros"], p["scales"]), want)
     if method == "awq":  # AWQ's interleaved nibbles read in plain order do not decode to the same weights
@@ -240,6 +240,31 @@ def test_quantized_checkpoint_speculates_losslessly(base_checkpoint, tmp_path):
         assert got.token_ids == plain and len(plain) > 0
         drafted += got.stats.drafted
     assert drafted > 0
+
+
+def test_groups_of_128_keep_steps_token_identical(tiny_tokenizer, tmp_path):
+    """Groups of 128 (the usual GPTQ/AWQ setting) are written as blocks of 32 sharing their scale and zero point:
+    the export measures 2-token steps computing exactly what wider steps do (min_step_tokens 2), and speculation is
+    token-identical to plain decoding. Blocks of 128 (injected) are not step-width invariant."""
+    import specdec.export.hf_quant as hq
+
+    base = make_checkpoint(tmp_path / "wide", seed=6, model_type="qwen2", tokenizer=tiny_tokenizer, hidden=256,
+                           heads=4, kv_heads=2, tied=False)
+    qdir, _ = quantized_checkpoint(base, tmp_path / "q", "gptq", 4, 128)
+    m = export_bundle(qdir, tmp_path / "b", ExportConfig(drafter="ngram", max_len=256))
+    t = m.graphs["target"]
+    assert t.min_step_tokens == 2 and t.checks["max_logit_diff_T_step_vs_2_token_steps"] == 0.0
+    plain = specdec.load(tmp_path / "b", drafter="none")
+    spec = specdec.load(tmp_path / "b", drafter="ngram")
+    for prompt in ["the quick brown fox the quick brown fox", "hello world, this is hello world"]:
+        want = plain.generate(prompt, GenerationConfig(max_new_tokens=32, draft_len=0)).token_ids
+        assert spec.generate(prompt, GenerationConfig(max_new_tokens=32, draft_len=4)).token_ids == want
+    wide, hq.MAX_BLOCK = hq.MAX_BLOCK, 128
+    try:
+        m128 = export_bundle(qdir, tmp_path / "b128", ExportConfig(drafter="none", max_len=256))
+    finally:
+        hq.MAX_BLOCK = wide
+    assert m128.graphs["target"].checks["max_logit_diff_T_step_vs_2_token_steps"] > 0.0, m128.graphs["target"].checks
 
 
 def test_act_order_is_carried_by_permuting_the_inputs(base_checkpoint, tmp_path):

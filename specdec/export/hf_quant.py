@@ -10,8 +10,9 @@ are carried as they are (export/gguf_blocks.py's Carried with explicit zero poin
     gptq    4, 8  [K*bits/32, N], packed along K,     [K/g, N*bits/32], packed along  z - 1 ("gptq", v1);
                   value j at bits [j*bits, ...)       N the same way                  z ("gptq_v2")
 
-MatMulNBits's block is the group (g = 16..128, a power of two), or a power of two that divides it, each scale and
-zero point repeated over the group's blocks (a group of -1, one group over all of K, is written that way too).
+MatMulNBits's block is 32 (16 for groups of 16): a wider group repeats its scale and zero point over its blocks (a
+group of -1, one group over all of K, is written that way too), since only blocks of at most 32 keep a 1-token step
+equal to a wider step's rows (MAX_BLOCK).
 GPTQ's act-order (desc_act: each group a scattered set of inputs, `g_idx`) is carried by permuting the weight's
 inputs so that every group is contiguous, and gathering the activations in the same order before the MatMulNBits
 (export/graph.py): the same products, summed in another order.
@@ -27,7 +28,12 @@ from specdec.export.gguf_blocks import Carried
 
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # AutoAWQ's GEMM packing: nibble j of a word holds column AWQ_ORDER[j]
 METHODS = {"awq": (4,), "gptq": (4, 8)}
-MAX_BLOCK = 128  # MatMulNBits block used for groups wider than this (and for group_size -1)
+# MatMulNBits block for groups wider than this (and for group_size -1). With int8 activations, blocks of 16 or 32
+# compute a 1-token step exactly as a wider step computes its rows; blocks of 64 or 128 differ by ~2e-6, which the
+# next layers' activation rounding amplifies to ~0.3 in the logits (a 1.5B GPTQ bundle in blocks of 128 measured
+# max_logit_diff_T_step_vs_2_token_steps 0.29): speculation would no longer be token-identical. A group of 128 is
+# written as 4 blocks of 32 sharing its scale and zero point: the same weights, 19% more bytes in the layers.
+MAX_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -109,10 +115,9 @@ def codes(scheme: QuantScheme, qweight: np.ndarray, qzeros: np.ndarray | None, K
 
 
 def _block(group: int, K: int) -> int:
-    """MatMulNBits's block for a group: the group itself when it is a power of two in 16..MAX_BLOCK, else the widest
-    power of two <= MAX_BLOCK dividing it (K for group -1)."""
+    """MatMulNBits's block for a group: MAX_BLOCK where it divides the group (K for group -1), else 16."""
     span = K if group <= 0 else group
-    for bs in (MAX_BLOCK, 64, 32, 16):
+    for bs in (MAX_BLOCK, 16):
         if span % bs == 0 and bs <= span:
             return bs
     raise SpecdecError(f"group size {group} (inputs {K}) has no MatMulNBits block (a power of two >= 16 dividing it)",
