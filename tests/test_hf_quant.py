@@ -154,7 +154,7 @@ def test_act_order_codes_decode_to_the_formats_arithmetic():
     s = rng.uniform(0.001, 0.05, size=(K // g, N)).astype(np.float16)
     g_idx = (np.arange(K) // g)[rng.permutation(K)].astype(np.int32)
     p = packed_layer("gptq", q, z, s, 4)
-    scheme = QuantScheme("gptq", 4, g, 1, desc_act=True)
+    scheme = QuantScheme("gptq", 4, g, 1)
     want = (s.astype(np.float32)[g_idx] * (q.astype(np.float32) - z[g_idx])).T  # [N, K]
     c = carried(scheme, p["qweight"], p["qzeros"], p["scales"], g_idx)
     assert c.input_order is not None and np.array_equal(np.sort(c.input_order), np.arange(K))

@@ -12,10 +12,9 @@ are carried as they are (export/gguf_blocks.py's Carried with explicit zero poin
 
 MatMulNBits's block is 32 (16 for groups of 16): a wider group repeats its scale and zero point over its blocks (a
 group of -1, one group over all of K, is written that way too), since only blocks of at most 32 keep a 1-token step
-equal to a wider step's rows (MAX_BLOCK).
-GPTQ's act-order (desc_act: each group a scattered set of inputs, `g_idx`) is carried by permuting the weight's
-inputs so that every group is contiguous, and gathering the activations in the same order before the MatMulNBits
-(export/graph.py): the same products, summed in another order.
+equal to a wider step's rows (MAX_BLOCK). GPTQ's act-order (desc_act: each group a scattered set of inputs, given
+by `g_idx`) is carried by permuting the weight's inputs so that every group is contiguous, and gathering the
+activations in the same order before the MatMulNBits (export/graph.py): the same products, summed in another order.
 """
 from __future__ import annotations
 
@@ -42,7 +41,6 @@ class QuantScheme:
     bits: int
     group_size: int  # -1: one group over the whole input
     zero_offset: int  # added to the stored zero points (GPTQ v1 stores z - 1)
-    desc_act: bool = False
 
     @classmethod
     def from_config(cls, qc: dict, where: str) -> "QuantScheme":
@@ -68,7 +66,8 @@ class QuantScheme:
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise SpecdecError(f"{where}: GPTQ checkpoint format {fmt!r} is not read by specdec (gptq, gptq_v2)")
-        return cls("gptq", bits, group, 1 if fmt == "gptq" else 0, bool(qc.get("desc_act", False)))
+        # act-order (desc_act) needs nothing here: each layer's g_idx says where its inputs go (carried())
+        return cls("gptq", bits, group, 1 if fmt == "gptq" else 0)
 
     @property
     def label(self) -> str:
