@@ -69,8 +69,8 @@ def break_streamed_graphs(monkeypatch) -> None:
 
     write = gguf_export.write_gguf_graph
 
-    def write_then_break(src, path, precision, progress=None):
-        spec = write(src, path, precision, progress)
+    def write_then_break(src, path, precision, progress=None, **graph):
+        spec = write(src, path, precision, progress, **graph)
         g = onnx.load_model(str(path), load_external_data=False)
         norm = next(t for t in g.graph.initializer if t.name == "layers.1.post_norm")
         arr = onnx.numpy_helper.to_array(norm, base_dir=str(path.parent)).copy()

@@ -57,7 +57,7 @@ def fp32_bundles(tiny_checkpoint, heads, tmp_path_factory):
     return root
 
 
-def _check(bundle, kind: str, precision: str) -> None:
+def _check(bundle, kind: str, precision: str, drafters: tuple[str, ...] | None = None) -> None:
     m = read_manifest(bundle)
     assert m.graphs["target"].precision == precision
     target = {numpy_helper.to_array(t).tobytes() for t in onnx.load(str(bundle / "target.onnx")).graph.initializer}
@@ -72,7 +72,7 @@ def _check(bundle, kind: str, precision: str) -> None:
                   and numpy_helper.to_array(t).tobytes() in target]
         assert not copies, (name, copies)
     runtime = CPU_FP16 if precision == "fp16" else None
-    for drafter in DRAFTERS[kind]:
+    for drafter in drafters or DRAFTERS[kind]:
         eng = specdec.load(bundle, drafter=drafter, runtime=runtime)
         for prompt in PROMPTS:
             plain = eng.generate(prompt, GenerationConfig(max_new_tokens=32, draft_len=0))
@@ -85,7 +85,12 @@ def _check(bundle, kind: str, precision: str) -> None:
 @pytest.mark.parametrize("kind", list(DRAFTERS))
 def test_exported_drafter_bundles_at_every_precision(tiny_checkpoint, heads, tmp_path, kind, precision):
     export_bundle(tiny_checkpoint, tmp_path / "b", _config(kind, heads, precision))
-    _check(tmp_path / "b", kind, precision)
+    drafters = None
+    if kind == "eagle" and precision in ("int8", "int4"):
+        # streamed and rounded as read: a target at its own codes pads its narrow steps and verifies chains
+        assert not read_manifest(tmp_path / "b").graphs["target"].has_tree_bias
+        drafters = ("eagle",)
+    _check(tmp_path / "b", kind, precision, drafters)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -149,16 +149,19 @@ def test_int4_reencodes_the_gguf_weights(real_bundle, tmp_path_factory):
 
 
 def test_shipped_eagle_head_drafts_losslessly_on_the_real_model(real_bundle, tmp_path_factory):
-    """`export --drafter eagle` without --heads picks the head shipped for the default model; chain and tree
-    drafting give plain greedy's tokens, and the head is accepted well above chance."""
+    """`export --drafter eagle` without --heads picks the head shipped for the default model: at the GGUF's own
+    codes (streamed) it drafts chains, in fp32 also trees; both give plain greedy's tokens, and the head is accepted
+    well above chance."""
     from specdec.export.bundle import ExportConfig, export_bundle
 
-    out = tmp_path_factory.mktemp("real") / "smollm2-eagle"
-    export_bundle(None, out, ExportConfig(drafter="eagle", max_len=1024))
-    eagle = specdec.load(out)
-    assert eagle.manifest.drafter.kind == "eagle" and eagle.manifest.graphs["target"].has_tree_bias
-    plain = specdec.load(real_bundle, drafter="none")
-    for drafter in ("eagle", "eagle-tree"):
+    root = tmp_path_factory.mktemp("real")
+    export_bundle(None, root / "codes", ExportConfig(drafter="eagle", max_len=1024))
+    export_bundle(None, root / "fp32", ExportConfig(drafter="eagle", precision="fp32", max_len=1024))
+    codes, fp32 = specdec.load(root / "codes"), specdec.load(root / "fp32")
+    assert codes.manifest.graphs["target"].quant["method"] == "gguf"
+    assert not codes.manifest.graphs["target"].has_tree_bias and fp32.manifest.graphs["target"].has_tree_bias
+    for drafter, eagle in (("eagle", codes), ("eagle", fp32), ("eagle-tree", fp32)):
+        plain = specdec.load(eagle.path, drafter="none")
         eagle.use_drafter(drafter)
         accepted = drafted = 0
         for prompt in PROMPTS:

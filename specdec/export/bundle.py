@@ -32,10 +32,10 @@ DRAFTERS = ("none", "ngram", *SELF_DRAFT_PRESETS, "layerskip", "eagle", "medusa"
 # carries a quantized GGUF's own codes (export/gguf_export.py); "auto" is "gguf" for a quantized GGUF whose drafter
 # the streaming export writes (GGUF_DRAFTERS), else fp32.
 EXPORT_PRECISIONS = ("auto", "fp32", "fp16", *TARGET_PRESETS, "gguf")
-# Drafters a streamed export (a GGUF file, or a checkpoint folder's safetensors) writes: the lookup drafters, and a
-# draft model given as a bundle, a GGUF file or a checkpoint folder. The others (self-int8/int4, layerskip, eagle,
-# medusa) are built from the fp32 torch model.
-GGUF_DRAFTERS = ("none", "ngram")
+# Drafters a streamed export (a GGUF file, or a checkpoint folder's safetensors) writes: the lookup drafters, an
+# EAGLE head, and a draft model given as a bundle, a GGUF file or a checkpoint folder. The others (self-int8/int4,
+# layerskip, medusa) are built from the fp32 torch model.
+GGUF_DRAFTERS = ("none", "ngram", "eagle")
 # A LayerSkip split (exit + tail) runs the target's own arithmetic: it may differ from the whole graph only by
 # kernel rounding (fp32 ~1e-5; fp16 and the weight-only kernels' fp32 accumulation ~1e-3).
 SPLIT_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "int8": 1e-2, "int4": 1e-2}
@@ -82,7 +82,8 @@ class ExportConfig:
             raise SpecdecError(f"unknown precision {self.precision!r}", f"choose one of {', '.join(EXPORT_PRECISIONS)}")
         if self.precision == "gguf" and not self.streams_gguf:
             raise SpecdecError(f"--drafter {self.drafter} is built from the fp32 model, not from a GGUF's own codes",
-                               "export with --precision fp32 (or int8/int4), or use --drafter none, ngram or model:PATH")
+                               "export with --precision fp32 (or int8/int4), or use --drafter none, ngram, eagle or "
+                               "model:PATH")
         if self.fast_kernels and self.precision not in FAST_TARGET_PRESETS:
             raise SpecdecError(f"--fast-kernels applies to --precision {' or '.join(FAST_TARGET_PRESETS)}, not "
                                f"{self.precision}")
@@ -170,8 +171,8 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         precision = ("gguf" if src.quantized else "fp32") if precision == "auto" else precision
         return _export_streamed(src, out_dir, replace(cfg, precision=precision), step, draft_bundle, draft_streamed)
     if _quantized_checkpoint(model_path) and not (cfg.stream and cfg.streams_gguf and precision in streamed):
-        raise SpecdecError(f"{model_path} is an AWQ/GPTQ checkpoint: specdec reads it with drafter none, ngram or "
-                           "model:PATH, at its own precision (auto), dequantized (fp32, fp16) or rounded again "
+        raise SpecdecError(f"{model_path} is an AWQ/GPTQ checkpoint: specdec reads it with drafter none, ngram, "
+                           "eagle or model:PATH, at its own precision (auto), dequantized (fp32, fp16) or rounded again "
                            "(int8, int4)", "choose one of those drafters and precisions")
     if cfg.stream and _streams_checkpoint(model_path) and cfg.streams_gguf and precision in streamed:
         from specdec.export.hf_source import SafetensorsSource
@@ -196,23 +197,10 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         _check_streamed_draft_vocab(draft_streamed, vocab_digest(source.tokenizer.backend_tokenizer))
     weights = weights_from_torch(source.model)
     L = model_cfg.n_layers
-    heads = medusa = None
-    if cfg.drafter in ("eagle", "medusa"):  # before any graph is written: heads for another target are one error
-        from specdec.export.eagle import HEADS_FORMAT, load_heads, shipped_heads, target_fingerprint
-        from specdec.export.medusa import HEADS_FORMAT as MEDUSA_FORMAT, load_medusa
+    # before any graph is written: heads for another target are one error
+    from specdec.export.eagle import target_fingerprint
 
-        fingerprint = target_fingerprint(weights)
-        medusa_kind = cfg.drafter == "medusa"
-        path = cfg.heads or shipped_heads(fingerprint, MEDUSA_FORMAT if medusa_kind else HEADS_FORMAT)
-        if path is None:
-            name = "Medusa heads" if medusa_kind else "EAGLE head"
-            raise SpecdecError(f"specdec ships no {name} for this target",
-                               f"train one: `specdec distill-data -o DATA` then `specdec train-drafter --kind "
-                               f"{cfg.drafter} --data DATA -o heads.npz`, and export with --heads heads.npz")
-        if medusa_kind:
-            medusa = load_medusa(path, model_cfg, fingerprint)
-        else:
-            heads = load_heads(path, model_cfg, fingerprint)
+    heads, medusa = _heads(cfg, model_cfg, target_fingerprint(weights))
     # The residual stream the heads read, and an attention bias: their drafts may be verified as token trees.
     tree = heads is not None or medusa is not None
     taps = (L,) if tree else ()
@@ -311,6 +299,26 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         from specdec.export.eagle import target_fingerprint
 
         return _write_manifest(partial, cfg, graphs, drafter, tok_spec, target_fingerprint(weights), source.path, step)
+
+
+def _heads(cfg: ExportConfig, model_cfg: ModelConfig, fingerprint: str):
+    """(EAGLE heads, Medusa heads) of drafter eagle / medusa: the --heads file, else the one specdec ships for the
+    target with this fingerprint; (None, None) for other drafters."""
+    if cfg.drafter not in ("eagle", "medusa"):
+        return None, None
+    from specdec.export.eagle import HEADS_FORMAT, load_heads, shipped_heads
+    from specdec.export.medusa import HEADS_FORMAT as MEDUSA_FORMAT, load_medusa
+
+    medusa_kind = cfg.drafter == "medusa"
+    path = cfg.heads or shipped_heads(fingerprint, MEDUSA_FORMAT if medusa_kind else HEADS_FORMAT)
+    if path is None:
+        name = "Medusa heads" if medusa_kind else "EAGLE head"
+        raise SpecdecError(f"specdec ships no {name} for this target",
+                           f"train one: `specdec distill-data -o DATA` then `specdec train-drafter --kind "
+                           f"{cfg.drafter} --data DATA -o heads.npz`, and export with --heads heads.npz")
+    if medusa_kind:
+        return None, load_medusa(path, model_cfg, fingerprint)
+    return load_heads(path, model_cfg, fingerprint), None
 
 
 def _draft_model(partial: Path, cfg: ExportConfig, tok_spec: TokenizerSpec, step, draft_bundle: Path | None,
@@ -459,7 +467,6 @@ def _export_streamed(src, out_dir: Path, cfg: ExportConfig, step, draft_bundle: 
         if draft_streamed is not None:
             step(f"checking the vocabulary of draft model {draft_streamed.name}")
             _check_streamed_draft_vocab(draft_streamed, tok_spec.vocab_digest)
-        step(f"writing target graph ({cfg.precision}, {model_cfg.n_layers} layers)")
         target, precision = src, cfg.precision
         if precision in ("int8", "int4"):  # rounded as each layer is read: a carried source of its own
             from specdec.export.rounded import RoundedSource
@@ -467,10 +474,25 @@ def _export_streamed(src, out_dir: Path, cfg: ExportConfig, step, draft_bundle: 
             target = RoundedSource(src, (FAST_TARGET_PRESETS if cfg.fast_kernels else TARGET_PRESETS)[precision],
                                    precision)
             precision = "gguf"
-        graphs = {"target": export_gguf_graph(target, partial / "target.onnx", precision, step)}
+        heads, _ = _heads(cfg, model_cfg, gguf_fingerprint(src))
+        # An EAGLE head reads the target's residual stream; a carried target pads its narrow steps to keep them
+        # T-invariant and verifies chains, not token trees.
+        taps = (model_cfg.n_layers,) if heads is not None else ()
+        tree = heads is not None and precision != "gguf"
+        step(f"writing target graph ({cfg.precision}, {model_cfg.n_layers} layers)")
+        graphs = {"target": export_gguf_graph(target, partial / "target.onnx", precision, step, taps=taps, tree=tree)}
         drafter = DrafterSpec(kind="none", draft_len=cfg.default_draft_len)
         if cfg.drafter == "ngram":
             drafter = DrafterSpec(kind="ngram", max_ngram=cfg.max_ngram, draft_len=cfg.default_draft_len)
+        elif heads is not None:
+            from specdec.export.eagle import write_eagle
+            from specdec.export.streamed import LazyWeights
+
+            step(f"writing EAGLE head graph ({len(heads.vocab)}-token draft vocabulary)")
+            graphs["eagle"], fields_ = write_eagle(partial, model_cfg, LazyWeights(target, precision == "gguf"),
+                                                   heads, dtype=np.float16 if precision == "fp16" else np.float32,
+                                                   int8=cfg.heads_precision == "int8")
+            drafter = DrafterSpec(kind="eagle", graph="eagle", draft_len=cfg.default_draft_len, **fields_)
         elif draft_bundle is not None or draft_streamed is not None:
             graphs["draft"], drafter = _draft_model(partial, cfg, tok_spec, step, draft_bundle, draft_streamed)
         return _write_manifest(partial, cfg, graphs, drafter, tok_spec, gguf_fingerprint(src), model_path, step)

@@ -549,16 +549,15 @@ def head_model_config(model_cfg: ModelConfig, n_vocab: int) -> ModelConfig:
 def write_eagle(partial: Path, model_cfg: ModelConfig, w: DecoderWeights, heads: EagleHeads, dtype=np.float32,
                 int8: bool = False):
     """Write eagle.onnx (embedding and rotary tables pointing into target.onnx's weight file) and draft_vocab.npy;
-    `int8` quantizes the head's matmuls (weight-only, int8-activation kernels). Returns (GraphSpec, DrafterSpec
-    fields)."""
-    from dataclasses import replace
-
+    `int8` quantizes the head's matmuls (weight-only, int8-activation kernels). `w`: the target's DecoderWeights,
+    or a streamed target's LazyWeights (export/streamed.py: its embedding as the target graph stores it, GGUF codes
+    included, and its head's draft-vocabulary rows read alone). Returns (GraphSpec, DrafterSpec fields)."""
     from specdec.export.graph import (CONTROL_INPUTS, FEATURES, build_decoder_graph, kv_input_names, kv_output_names,
                                       save_graph_sharing)
     from specdec.runtime.manifest import GraphSpec
 
     cfg = head_model_config(model_cfg, len(heads.vocab))
-    hw = replace(w, layers=[heads.layer])
+    hw = w.with_layers([heads.layer])
     graph = build_decoder_graph(cfg, hw, hidden_layers=(1,), dtype=dtype, features=heads.entry, head_vocab=heads.vocab)
     quant = {}
     if int8:

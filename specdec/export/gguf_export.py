@@ -23,7 +23,7 @@ from specdec.export.external import ExternalData, save_streamed
 from specdec.export.gguf_source import GGUFSource
 from specdec.export.streamed import fingerprint, reference_logits
 from specdec.export.graph import CONTROL_INPUTS, build_decoder_graph, kv_input_names, kv_output_names
-from specdec.runtime.manifest import ARGMAX_ROWS, LOGITS_ROWS, GraphSpec
+from specdec.runtime.manifest import ARGMAX_ROWS, ATTENTION_BIAS, LOGITS_ROWS, GraphSpec
 
 # The kernels a carried GGUF graph runs: int8 activations (accuracy_level 4), as llama.cpp's own CPU matmuls
 # quantize activations to 8 bits; the fp32-activation kernels are ~7x slower at one token (FACTS). Steps of >= 2
@@ -62,7 +62,10 @@ class GraphCheck:
         return out
 
 
-def gguf_graph_spec(file: str, src: GGUFSource, precision: str, min_step_tokens: int = 1) -> GraphSpec:
+def gguf_graph_spec(file: str, src: GGUFSource, precision: str, min_step_tokens: int = 1,
+                    taps: tuple[int, ...] = (), tree: bool = False) -> GraphSpec:
+    """`taps`: residual-stream outputs `hidden.{t}` (an EAGLE head reads hidden.{n_layers}); `tree`: the
+    `attention_bias` input of token-tree verification."""
     cfg = src.config
     carried = precision == "gguf"
     # "method": where the codes come from: "gguf", a checkpoint's "awq" / "gptq" (export/hf_quant.py), or
@@ -74,10 +77,10 @@ def gguf_graph_spec(file: str, src: GGUFSource, precision: str, min_step_tokens:
     exact = precision == "fp32"
     return GraphSpec(file=file, model=cfg, precision=getattr(src, "precision", "int4") if carried else precision,
                      n_layers=cfg.n_layers,
-                     inputs=CONTROL_INPUTS + (LOGITS_ROWS,) + ((ARGMAX_ROWS,) if exact else ())
-                     + tuple(kv_input_names(cfg.n_layers)),
-                     outputs=("logits", "argmax", *kv_output_names(cfg.n_layers)), quant=quant,
-                     min_step_tokens=min_step_tokens, pads_attention_only=carried)
+                     inputs=CONTROL_INPUTS + ((ATTENTION_BIAS,) if tree else ()) + (LOGITS_ROWS,)
+                     + ((ARGMAX_ROWS,) if exact else ()) + tuple(kv_input_names(cfg.n_layers)),
+                     outputs=("logits", "argmax", *kv_output_names(cfg.n_layers), *(f"hidden.{t}" for t in taps)),
+                     hidden_layers=taps, quant=quant, min_step_tokens=min_step_tokens, pads_attention_only=carried)
 
 
 def accuracy_level(src) -> int:
@@ -86,12 +89,16 @@ def accuracy_level(src) -> int:
 
 
 def write_gguf_graph(src: GGUFSource, path: Path, precision: str,
-                     progress: Callable[[int, int], None] | None = None) -> GraphSpec:
+                     progress: Callable[[int, int], None] | None = None, taps: tuple[int, ...] = (),
+                     tree: bool = False) -> GraphSpec:
     """Write `src` as a decoder graph at `path` (weights in `path`.data) and return its spec (unchecked).
-    `precision`: "gguf" (the file's own codes), "fp32" or "fp16" (dequantized)."""
+    `precision`: "gguf" (the file's own codes), "fp32" or "fp16" (dequantized). `taps`, `tree`: gguf_graph_spec's;
+    a carried graph pads narrow steps (pads_attention_only) and takes no tree."""
     if precision not in ("gguf", "fp32", "fp16"):
         raise ValueError(f"precision {precision!r}")
     carried = precision == "gguf"
+    if carried and tree:
+        raise ValueError("a carried graph pads its narrow steps and verifies no token trees")
     if carried:
         bad = src.not_carried()
         if bad:
@@ -105,12 +112,13 @@ def write_gguf_graph(src: GGUFSource, path: Path, precision: str,
     with ExternalData(path.with_name(path.name + ".data")) as sink:
         model = build_decoder_graph(src.config, weights, dtype=np.float16 if precision == "fp16" else np.float32,
                                     argmax=True, logits_rows=True, exact_argmax=precision == "fp32", sink=sink,
-                                    accuracy_level=accuracy_level(src), pad_attention=carried)
+                                    accuracy_level=accuracy_level(src), pad_attention=carried, hidden_layers=taps,
+                                    tree=tree)
     save_streamed(model, path)
     src.release()
     if progress is not None:
         progress(src.config.n_layers, src.config.n_layers)
-    return gguf_graph_spec(path.name, src, precision)
+    return gguf_graph_spec(path.name, src, precision, taps=taps, tree=tree)
 
 
 def check_gguf_graph(src: GGUFSource, path: Path, spec: GraphSpec, precision: str, seed: int = 0) -> GraphCheck:
@@ -150,12 +158,13 @@ def check_gguf_graph(src: GGUFSource, path: Path, spec: GraphSpec, precision: st
     return check if fast is None else replace(check, fast_top1_agreement=float(np.mean(fast == top)))
 
 
-def export_gguf_graph(src: GGUFSource, path: Path, precision: str, step: Callable, what: str = "target") -> GraphSpec:
+def export_gguf_graph(src: GGUFSource, path: Path, precision: str, step: Callable, what: str = "target",
+                      taps: tuple[int, ...] = (), tree: bool = False) -> GraphSpec:
     """Write, check and (carried codes) measure the step-width invariance of one graph; the spec with its checks."""
     from specdec.export.verify import measure_min_step_tokens
 
     t0 = time.perf_counter()
-    spec = write_gguf_graph(src, path, precision, progress=getattr(step, "progress", None))
+    spec = write_gguf_graph(src, path, precision, progress=getattr(step, "progress", None), taps=taps, tree=tree)
     step(f"checking the {what} graph against a reference forward of the file's weights")
     check = check_gguf_graph(src, path, spec, precision)
     if not check.passes:

@@ -20,7 +20,7 @@ or fp16 (`dtype`); ids, positions and lengths stay integers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
@@ -72,6 +72,15 @@ class DecoderWeights:
     def head_matrix(self) -> np.ndarray:
         """The LM head as the float [D, V] MatMul weight (the embedding's transpose when tied)."""
         return np.ascontiguousarray(self.embed.T) if self.lm_head is None else self.lm_head
+
+    def with_layers(self, layers: list) -> "DecoderWeights":
+        """These weights around other layers (an EAGLE head's graph: its one layer, the model's embedding and head)."""
+        return replace(self, layers=layers)
+
+    def head_columns(self, vocab: np.ndarray) -> np.ndarray:
+        """The float LM head's columns `vocab` [D, N] (a draft vocabulary's head)."""
+        full = self.embed.T if self.lm_head is None else self.lm_head  # [D, V]
+        return np.ascontiguousarray(full[:, vocab], dtype=np.float32)
 
 
 def weights_from_torch(model) -> DecoderWeights:
@@ -329,9 +338,11 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
     sin = b.init("rope.sin", np.sin(t) * w.rope_scale)
     head = None
     # Read once: a lazily loaded model (export/gguf_source.py) decodes a table on every access to embed / lm_head.
-    tied, carried_head, carried_embed = w.tied, w.head_carried, w.embed_carried
-    if carried_head and (head_vocab is not None or exact_argmax or features is not None):
-        raise ValueError("a graph with GGUF codes as its head has no draft-vocabulary head, exact argmax or features")
+    tied, carried_embed = w.tied, w.embed_carried
+    # A draft-vocabulary head is float rows (head_columns) whatever the model's head is stored as.
+    carried_head = w.head_carried and head_vocab is None
+    if carried_head and exact_argmax:
+        raise ValueError("a graph with GGUF codes as its head has no exact argmax")
     if first_layer:
         x = HIDDEN_IN  # [B,T,D]
     elif carried_embed:
@@ -359,8 +370,7 @@ def build_decoder_graph(cfg: ModelConfig, w: DecoderWeights, hidden_layers: tupl
         x = b.op("Add", [b.op("MatMul", [cat, b.init("features.fc.weight", features.fc)], name="features.fc")[0],
                          b.init("features.fc.bias", features.fc_bias)], name="features.fc_bias")[0]  # [B,T,D]
     if logits and head_vocab is not None:
-        full = w.head_matrix()  # [D, V]
-        head = b.init("draft_head.weight", np.ascontiguousarray(full[:, np.asarray(head_vocab)]))  # [D, N]
+        head = b.init("draft_head.weight", w.head_columns(np.asarray(head_vocab)))  # [D, N]
     elif logits and head is None and not carried_head:
         head = b.init("lm_head.weight", w.head_matrix())
     pad_rows = None

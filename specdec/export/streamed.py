@@ -10,6 +10,7 @@ a plain numpy forward: the export's check of the graph it wrote. Nothing holds m
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Sequence
 
@@ -102,6 +103,17 @@ class LazyWeights:
     def head_matrix(self) -> np.ndarray:
         """The float LM head [D, V] (the embedding's transpose when tied), read from the source in one copy."""
         return self.src.matrix(self.src.head_name or self.src.embed_name)
+
+    def head_columns(self, vocab: np.ndarray) -> np.ndarray:
+        """The float LM head's columns `vocab` [D, N], dequantized from those rows of the source alone."""
+        rows = self.src.float_rows(self.src.head_name or self.src.embed_name, np.asarray(vocab))  # [N, D]
+        return np.ascontiguousarray(rows.T, dtype=np.float32)
+
+    def with_layers(self, layers: list) -> "LazyWeights":
+        """These weights around other (resident) layers: an EAGLE head's graph reads the model's embedding and head."""
+        other = copy.copy(self)
+        other.layers = layers
+        return other
 
     @property
     def lm_head(self):

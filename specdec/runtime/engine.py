@@ -220,9 +220,11 @@ class Engine:
         if kind in ("eagle", "eagle-tree") or (heads_hybrid and m.drafter.kind == "eagle"):
             if m.drafter.kind != "eagle" or not isinstance(self.target, Decoder):
                 raise SpecdecError(f"bundle {self.path} has no EAGLE head", "re-export with --drafter eagle")
-            if kind in ("eagle-tree", "hybrid-tree") and not self.target.spec.has_tree_bias:  # bundles from before trees
+            if kind in ("eagle-tree", "hybrid-tree") and not self.target.spec.has_tree_bias:
+                # a target at a GGUF's own codes pads its narrow steps (T-invariance) and verifies chains
                 raise SpecdecError(f"bundle {self.path}'s target graph cannot verify token trees",
-                                   "re-export it with this specdec version")
+                                   "use --drafter eagle (a chain), or re-export with --precision fp32 for trees"
+                                   if self.target.spec.pads_attention_only else "re-export it with this specdec version")
             if self._eagle_head is None:
                 self._eagle_head = EagleHead(self._decoder(m.drafter.graph), np.load(self.path / m.drafter.draft_vocab))
             siblings = TREE_SIBLINGS if kind in ("eagle-tree", "hybrid-tree") else ()
