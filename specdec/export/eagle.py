@@ -18,12 +18,13 @@ inside specdec (specdec/export/heads/), so that export needs no training.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -148,6 +149,12 @@ def training_setup(model_path, data: "Path | list[Path]", max_seq: int, max_toke
     source = load_source(model_path)
     model_cfg = model_config_from_hf(source.hf_config)
     w = weights_from_torch(source.model)
+    fingerprint = target_fingerprint(w)
+    # Heads read the embedding, the final norm, the head and the last layer (their initial values): the torch
+    # model and the other layers go, so a 1.5B target is held once, not twice, while the head trains.
+    source = replace(source, model=None)
+    w = w.with_layers(w.layers[-1:])
+    gc.collect()
     step("reading distillation data")
     seqs = load_sequences(data, model_cfg.hidden_size, model_cfg.vocab_size, max_seq, max_tokens)
     order = np.random.default_rng(seed).permutation(len(seqs))
@@ -155,7 +162,7 @@ def training_setup(model_path, data: "Path | list[Path]", max_seq: int, max_toke
     held, train = [seqs[i] for i in order[:n_held]], [seqs[i] for i in order[n_held:]]
     special = [int(t) for t in source.tokenizer.all_special_ids if t is not None]
     vocab = draft_vocab(train, n_vocab, model_cfg.vocab_size, special)
-    return source, model_cfg, w, target_fingerprint(w), seqs, held, train, vocab
+    return source, model_cfg, w, fingerprint, seqs, held, train, vocab
 
 
 # ----------------------------------------------------------------------------------------------- model
