@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Where a speculative round's time goes on this device: the target's step cost against its width, and the draft
-model's cost per drafted token.
+model's (or EAGLE head's) cost per drafted token.
 
 ms per forward (median, IOBinding, in-place KV with a past of 200 tokens) of the bundle's target at T = 1..16
 tokens, as a multiple of one 1-token step; and, when the bundle has a draft graph, its 1-token step. A graph whose
@@ -31,6 +31,20 @@ def curve(dec, widths, reps: int) -> dict:
     return {t: median_ms(lambda t=t: dec.forward(ids[:, PAST:PAST + t]), reps) for t in widths}
 
 
+def head_step_ms(head, reps: int) -> float:
+    """An EAGLE head's 1-token drafting step (one decoder layer and its draft-vocabulary head) after PAST entries."""
+    from specdec.runtime.decoder import MAX_STEP
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, head.model.vocab_size, size=(1, PAST + 1))
+    feats = rng.standard_normal((1, PAST + 1, head.model.hidden_size)).astype(np.float32)
+    for lo in range(0, PAST, MAX_STEP):
+        hi = min(lo + MAX_STEP, PAST)
+        head.forward(ids[:, lo:hi], features=feats[:, lo:hi])
+        head.kv.advance(hi - lo)
+    return median_ms(lambda: head.forward(ids[:, PAST:], features=feats[:, PAST:]), reps)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bundle", type=Path)
@@ -53,6 +67,11 @@ def main() -> int:
         d = curve(drafting.drafter.decoder, (1,), args.reps)
         result["draft_ms_per_token"] = d[1]
         result["draft_over_target_step"] = round(d[1] / target[1], 3)
+    if m.drafter.kind == "eagle":
+        head = specdec.load(args.bundle, drafter="eagle", runtime=opts).drafter.head
+        e = head_step_ms(head, args.reps)
+        result["eagle_ms_per_token"] = e
+        result["eagle_over_target_step"] = round(e / target[1], 3)
     emit(result, args.out)
     return 0
 
