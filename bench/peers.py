@@ -1034,7 +1034,7 @@ _ENGINE_LABELS = {
     "llama-server-ngram": "llama.cpp, `--spec-type ngram-mod`",
 }
 _DRAFTER_LABELS = {"none": "plain", "ngram": "prompt lookup", "corpus": "corpus lookup", "model": "draft model",
-                   "hybrid": "corpus + draft model", "eagle": "EAGLE head", "medusa": "Medusa heads",
+                   "hybrid": "lookup + draft model or heads", "eagle": "EAGLE head", "medusa": "Medusa heads",
                    "layerskip": "LayerSkip exit", "tuned": "its tuned choice"}
 
 
