@@ -62,6 +62,9 @@ def test_the_target_stays_at_the_files_codes_and_the_head_shares_its_embedding(b
     where = {t.name: {e.key: e.value for e in t.external_data}.get("location") for t in head.graph.initializer}
     assert where[gather.input[0]] == "target.onnx.data"  # the embedding's codes are the target's, not a copy
     assert not any(n.op_type == "MatMulNBits" for n in head.graph.node)  # the draft head is float rows
+    # every file as readable as the manifest (onnx writes weight files owner-only unless told otherwise)
+    mode = (bundle / "specdec.json").stat().st_mode & 0o777
+    assert {f.name: f.stat().st_mode & 0o777 for f in bundle.iterdir()} == {f.name: mode for f in bundle.iterdir()}
 
 
 def test_the_head_graph_computes_the_torch_heads_features_and_logits(gguf_file, heads_file, bundle):

@@ -20,6 +20,8 @@ or fp16 (`dtype`); ids, positions and lengths stay integers.
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -479,6 +481,13 @@ def save_graph(model: onnx.ModelProto, path, external: bool = True) -> list[str]
     data = path.name + ".data"
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data, size_threshold=1024)
+    # onnx creates the weight file owner-only (0600); a bundle is data like its graph file: readable by whoever
+    # may read the folder (a service account, a copy on a shared disk), as the process's umask allows
+    if not path.with_name(data).exists():  # every tensor small (or none): they live in the graph file itself
+        return [path.name]
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path.with_name(data), 0o666 & ~mask)
     return [path.name, data]
 
 
