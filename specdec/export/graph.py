@@ -21,7 +21,6 @@ or fp16 (`dtype`); ids, positions and lengths stay integers.
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass, replace
 
 import numpy as np
