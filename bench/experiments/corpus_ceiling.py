@@ -5,6 +5,8 @@ through the drafter the runtime uses (prompt lookup, else the bundle's corpus), 
 and prices each round with the target's measured step costs (`bench/step_curve.py`: a step of T tokens against a
 1-token step). Reports, against plain decoding of the same bundle (decode only, prefill excluded):
 - `fixed_L`: every round verifies min(L, drafted) tokens;
+- `auto`: the runtime's own policy (draft_len.AdaptiveDraftLen with the curve as its step costs and free drafts),
+  cutting each draft by its tokens' confidences as `--draft-len auto` does;
 - `ceiling`: every round verifies exactly the tokens the target will accept (a length policy that knew the future),
   the most any draft-length policy can give with this drafter;
 - tokens per target pass at L = 4 and 8 with the first 1/3, 2/3 and all of the corpus's texts (what a bigger
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specdec.runtime.draft_len import AdaptiveDraftLen
 from specdec.runtime.drafters.corpus import Corpus, CorpusDrafter
 from specdec.runtime.drafters.hybrid import LOOKUP_MIN_NGRAM
 from specdec.runtime.drafters.ngram import NgramDrafter
@@ -44,22 +47,33 @@ def read_answers(codec: TextCodec, inputs: Path, outputs: Path) -> list[tuple[li
     return pairs
 
 
-def replay(pairs, corpus: Corpus, max_ngram: int, verify_len: int | None) -> tuple[int, list[tuple[int, int]]]:
-    """Decode every answer with DRAFT-token drafts; each round verifies min(verify_len, drafted) tokens, or, with
-    verify_len None, exactly those the target accepts. Returns (answer tokens, [(verified, accepted)] per round)."""
+def replay(pairs, corpus: Corpus, max_ngram: int, verify_len: int | str | None,
+           step_cost: dict[int, float] | None = None) -> tuple[int, list[tuple[int, int]]]:
+    """Decode every answer with DRAFT-token drafts; each round verifies min(verify_len, drafted) tokens; with
+    verify_len None, exactly those the target accepts; with "auto", what the runtime's policy keeps (priced by
+    step_cost). Returns (answer tokens, [(verified, accepted)] per round)."""
     n_tokens, rounds = 0, []
     for prompt, answer in pairs:
         drafter = CorpusDrafter(NgramDrafter(max_ngram=max_ngram, min_ngram=LOOKUP_MIN_NGRAM), corpus)
         drafter.begin(prompt, SamplingConfig(), np.random.default_rng(0))
+        policy = (AdaptiveDraftLen(verify_s=[step_cost[t] for t in range(1, DRAFT + 2)], draft_s=0.0)
+                  if verify_len == "auto" else None)
         context, i = list(prompt), 0
         while i < len(answer):
-            drafted = [int(t) for t in drafter.propose(context, DRAFT).tokens]
+            source = drafter.source(context)
+            draft = drafter.propose(context, policy.next_k(DRAFT, source) if policy else DRAFT)
+            if policy:
+                draft = policy.cut(draft, source)
+            drafted = [int(t) for t in draft.tokens]
             n_right = next((j for j, t in enumerate(drafted) if i + j >= len(answer) or t != answer[i + j]),
                            len(drafted))
-            verified = n_right if verify_len is None else min(verify_len, len(drafted))
+            verified = (n_right if verify_len is None else len(drafted) if policy
+                        else min(verify_len, len(drafted)))
             n_accepted = min(n_right, verified)
             step = answer[i:i + n_accepted + 1]  # the accepted drafts and the target's own next token
             drafter.accept(len(step) - 1, step[-1])
+            if policy:
+                policy.update(verified, len(step) - 1, source=source, width=verified)
             context += step
             i += len(step)
             rounds.append((verified, len(step) - 1))
@@ -98,9 +112,9 @@ def main() -> None:
         name, inputs, outputs = spec.split(":")
         pairs = read_answers(codec, Path(inputs), Path(outputs))
         row = {"answers": len(pairs), "answer_tokens": sum(len(a) for _, a in pairs)}
-        for verify_len in [*range(1, DRAFT + 1), None]:
-            n_tokens, rounds = replay(pairs, corpus, m.drafter.max_ngram, verify_len)
-            key = "ceiling" if verify_len is None else f"fixed_{verify_len}"
+        for verify_len in [*range(1, DRAFT + 1), "auto", None]:
+            n_tokens, rounds = replay(pairs, corpus, m.drafter.max_ngram, verify_len, step_cost)
+            key = ("ceiling" if verify_len is None else "auto" if verify_len == "auto" else f"fixed_{verify_len}")
             row[key] = {"speedup": round(speedup(n_tokens, rounds, step_cost), 3),
                         "tokens_per_pass": round(n_tokens / len(rounds), 3)}
         row["corpus_size"] = {}
