@@ -7,6 +7,8 @@ and prices each round with the target's measured step costs (`bench/step_curve.p
 - `fixed_L`: every round verifies min(L, drafted) tokens;
 - `auto`: the runtime's own policy (draft_len.AdaptiveDraftLen with the curve as its step costs and free drafts),
   cutting each draft by its tokens' confidences as `--draft-len auto` does;
+- `auto_refit` (with --refit-on): the same policy with the corpus confidence model refitted on this target
+  (corpus_confidence.py's fit; a third of the corpus's answers replayed against a corpus of the other two thirds);
 - `ceiling`: every round verifies exactly the tokens the target will accept (a length policy that knew the future),
   the most any draft-length policy can give with this drafter;
 - tokens per target pass at L = 4 and 8 with the first 1/3, 2/3 and all of the corpus's texts (what a bigger
@@ -14,7 +16,8 @@ and prices each round with the target's measured step costs (`bench/step_curve.p
 Answers are re-tokenized from their text, which may split a few tokens differently from the generation.
 
     .venv/bin/python bench/experiments/corpus_ceiling.py BUNDLE --steps STEP_CURVE.json \
-        --set specbench:IN.jsonl:OUT.jsonl --set own:IN2.jsonl:OUT2.jsonl --out RESULT.json
+        --set specbench:IN.jsonl:OUT.jsonl --set own:IN2.jsonl:OUT2.jsonl [--refit-on PROMPTS.jsonl:ANSWERS.jsonl] \
+        --out RESULT.json
 """
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ import json
 from pathlib import Path
 
 import numpy as np
+from corpus_confidence import collect, fit_logistic
 
+from specdec.runtime.drafters import corpus as corpus_module
 from specdec.runtime.draft_len import AdaptiveDraftLen
 from specdec.runtime.drafters.corpus import Corpus, CorpusDrafter
 from specdec.runtime.drafters.hybrid import LOOKUP_MIN_NGRAM
@@ -92,6 +97,8 @@ def main() -> None:
     ap.add_argument("--steps", type=Path, required=True, help="bench/step_curve.py output (target_x_one_step)")
     ap.add_argument("--set", action="append", required=True, metavar="NAME:IN.jsonl:OUT.jsonl",
                     help="a `specdec batch` input and its greedy output (repeat for several prompt sets)")
+    ap.add_argument("--refit-on", metavar="IN.jsonl:OUT.jsonl",
+                    help="the requests and answers the bundle's corpus was made from (`specdec corpus --answers`)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -106,7 +113,16 @@ def main() -> None:
     texts = np.split(corpus.tokens, np.flatnonzero(corpus.tokens == corpus.sep) + 1)
     texts = [t[:-1] for t in texts if len(t) > 1]  # each text without its separator
 
-    result = {"bundle": str(args.bundle), "corpus_texts": len(texts), "corpus_tokens": int(sum(map(len, texts))),
+    refit = None
+    if args.refit_on:
+        inputs, outputs = map(Path, args.refit_on.split(":"))
+        answers = [{"prompt": p, "answer": a} for p, a in read_answers(codec, inputs, outputs)]
+        rest = Corpus.from_texts([a["answer"] for i, a in enumerate(answers) if i % 3], m.model.vocab_size)
+        w = fit_logistic(*collect(rest, answers[::3], m.drafter.max_ngram))  # bias, share, voters, depth, runner-up,
+        refit = {**dict(zip(["bias", "share", "log_voters", "depth", "runner_up"], w[:5].round(3).tolist())),
+                 "matched": (0.0, *w[5:].round(3).tolist())}  # matched 2..4 (1 is the baseline)
+
+    result = {"bundle": str(args.bundle), "refit_weights": refit, "corpus_texts": len(texts), "corpus_tokens": int(sum(map(len, texts))),
               "draft": DRAFT, "step_cost": {str(t): round(c, 3) for t, c in step_cost.items()}, "sets": {}}
     for spec in args.set:
         name, inputs, outputs = spec.split(":")
@@ -117,6 +133,15 @@ def main() -> None:
             key = ("ceiling" if verify_len is None else "auto" if verify_len == "auto" else f"fixed_{verify_len}")
             row[key] = {"speedup": round(speedup(n_tokens, rounds, step_cost), 3),
                         "tokens_per_pass": round(n_tokens / len(rounds), 3)}
+        if refit is not None:
+            shipped = dict(corpus_module.CONFIDENCE_WEIGHTS)
+            corpus_module.CONFIDENCE_WEIGHTS.update(refit)  # read at each draft's confidence()
+            try:
+                n_tokens, rounds = replay(pairs, corpus, m.drafter.max_ngram, "auto", step_cost)
+            finally:
+                corpus_module.CONFIDENCE_WEIGHTS.update(shipped)
+            row["auto_refit"] = {"speedup": round(speedup(n_tokens, rounds, step_cost), 3),
+                                 "tokens_per_pass": round(n_tokens / len(rounds), 3)}
         row["corpus_size"] = {}
         for share in (1 / 3, 2 / 3, 1.0):
             part = Corpus.from_texts(texts[:round(share * len(texts))], m.model.vocab_size)
