@@ -63,6 +63,20 @@ def test_self_draft_accepts_most_tokens(engines, monkeypatch):
     assert g.stats.target_forwards < len(g.token_ids)
 
 
+def test_draft_model_runs_one_forward_per_drafted_token(engines, monkeypatch):
+    # The tokens the target settled since the last round go in one step with the first draft's: a round of k
+    # drafts runs k draft forwards, however many context tokens the draft KV lacked.
+    drafter = engines["model"].drafter
+    monkeypatch.setattr(drafter, "confidence_stop", 0.0)
+    calls = []
+    run = drafter.decoder._run
+    monkeypatch.setattr(drafter.decoder, "_run", lambda *a, **kw: calls.append(a[0].shape[1]) or run(*a, **kw))
+    g = engines["model"].generate(PROMPTS[2], GenerationConfig(max_new_tokens=24, draft_len=3))
+    assert g.stats.tau > 1.5  # rounds after accepted drafts: the draft KV lacked the last draft and the bonus token
+    prompt_feeds = 1  # begin() feeds the prompt but its last token in one prefill
+    assert len(calls) <= prompt_feeds + 3 * g.stats.target_forwards
+    assert any(width > 1 for width in calls[prompt_feeds:])  # settled tokens and the first draft's, together
+
 def test_sampling_is_seeded_and_speculation_keeps_it_valid(engines):
     cfg = GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(temperature=0.8, top_p=0.95), seed=7, draft_len=3)
     a = engines["model"].generate(PROMPTS[1], cfg)

@@ -72,8 +72,9 @@ class ModelDrafter:
         # round's, and a policy timing rounds (draft_len="auto") must not take it for a draft step.
         self._catch_up(prompt_ids[common:-1])
 
-    def _catch_up(self, tokens: Sequence[int]) -> None:
-        """Feed context tokens the draft KV lacks; a long run of them is windowed (DRAFT_WINDOW)."""
+    def _catch_up(self, tokens: Sequence[int]) -> np.ndarray | None:
+        """Feed context tokens the draft KV lacks (a long run of them windowed, DRAFT_WINDOW); return the draft's
+        logits [vocab] after the last of them (None when there were none)."""
         feed = list(tokens)
         if self.window is not None and not self._skip[1]:
             sink = max(0, DRAFT_SINK - len(self.ids))  # sink tokens still to come from this feed
@@ -81,9 +82,10 @@ class ModelDrafter:
             if n_skipped > 0:
                 self._skip = (len(self.ids) + sink, n_skipped)
                 feed = feed[:sink] + feed[sink + n_skipped:]
-        if feed:
-            self.decoder.prefill(np.asarray([feed], dtype=np.int64))
         self.ids += list(tokens)
+        if not feed:
+            return None
+        return self.decoder.prefill(np.asarray([feed], dtype=np.int64))[0]  # [vocab]
 
     def source(self, context: Sequence[int]) -> str:
         return "model"
@@ -94,15 +96,17 @@ class ModelDrafter:
         k = min(k, kv.max_len - int(kv.lengths[0]) - len(pending) + 1)
         if k <= 0 or not pending:
             return Draft(tokens=np.zeros(0, dtype=np.int64))
-        self._catch_up(pending[:-1])
-        self.ids.append(pending[-1])
-        step = np.asarray([pending[-1:]], dtype=np.int64)  # [1,1]
+        # The tokens the target settled since the last round (its correction or bonus token, and the accepted
+        # drafts the draft KV lacks) go in one step with the first draft's: one forward, not one per token.
+        logits = self._catch_up(pending)  # [vocab]
+        step = np.zeros((1, 1), dtype=np.int64)  # [1,1]
         tokens = np.empty(k, dtype=np.int64)  # [k]
         p_draft = None if self.sampling.greedy else np.empty((k, dec.model.vocab_size), dtype=np.float32)  # [k, vocab]
         n = k
         for i in range(k):
-            logits = dec.forward(step)[0, -1]  # [vocab]
-            kv.advance(1)
+            if i:
+                logits = dec.forward(step)[0, -1]  # [vocab]
+                kv.advance(1)
             if p_draft is None:
                 tokens[i] = int(np.argmax(logits))
             else:
