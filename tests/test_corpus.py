@@ -137,9 +137,15 @@ def test_a_draft_model_bundles_hybrid_drafts_from_its_corpus_then_the_model(tiny
     assert CliRunner().invoke(main, ["corpus", str(bundle), "--data", str(tiny_distill_data)]).exit_code == 0
     engine = specdec.load(bundle, drafter="hybrid")
     assert isinstance(engine.drafter.lookup, CorpusDrafter)  # prompt lookup, then the corpus, then the model
-    sources = Counter()
+    sources = Counter()  # which side drafted each round
     real = engine.drafter.propose
-    engine.drafter.propose = lambda ctx, k: (d := real(ctx, k), sources.update([engine.drafter._last]))[0]
+
+    def propose(context, k):
+        draft = real(context, k)
+        sources[engine.drafter._last] += 1
+        return draft
+
+    engine.drafter.propose = propose
     for prompt in ["hello world", "the cat sat on the mat and the cat"]:
         plain = engine.generate(prompt, specdec.GenerationConfig(max_new_tokens=24, draft_len=0)).token_ids
         for k in (3, "auto"):

@@ -77,6 +77,7 @@ def test_draft_model_runs_one_forward_per_drafted_token(engines, monkeypatch):
     assert len(calls) <= prompt_feeds + 3 * g.stats.target_forwards
     assert any(width > 1 for width in calls[prompt_feeds:])  # settled tokens and the first draft's, together
 
+
 def test_sampling_is_seeded_and_speculation_keeps_it_valid(engines):
     cfg = GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(temperature=0.8, top_p=0.95), seed=7, draft_len=3)
     a = engines["model"].generate(PROMPTS[1], cfg)
