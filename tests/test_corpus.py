@@ -126,33 +126,6 @@ def test_bundle_corpus_decodes_identically_to_plain(tiny_bundle, tiny_distill_da
     assert bad.exit_code != 0 and "no distillation shards" in bad.output + (bad.stderr if bad.stderr_bytes else "")
 
 
-def test_a_draft_model_bundles_hybrid_drafts_from_its_corpus_then_the_model(tiny_bundle, tiny_distill_data, tmp_path):
-    from click.testing import CliRunner
-
-    import specdec
-    from specdec.cli import main
-
-    bundle = tmp_path / "b"
-    shutil.copytree(tiny_bundle, bundle)
-    assert CliRunner().invoke(main, ["corpus", str(bundle), "--data", str(tiny_distill_data)]).exit_code == 0
-    engine = specdec.load(bundle, drafter="hybrid")
-    assert isinstance(engine.drafter.lookup, CorpusDrafter)  # prompt lookup, then the corpus, then the model
-    sources = Counter()  # which side drafted each round
-    real = engine.drafter.propose
-
-    def propose(context, k):
-        draft = real(context, k)
-        sources[engine.drafter._last] += 1
-        return draft
-
-    engine.drafter.propose = propose
-    for prompt in ["hello world", "the cat sat on the mat and the cat"]:
-        plain = engine.generate(prompt, specdec.GenerationConfig(max_new_tokens=24, draft_len=0)).token_ids
-        for k in (3, "auto"):
-            assert engine.generate(prompt, specdec.GenerationConfig(max_new_tokens=24, draft_len=k)).token_ids == plain
-    assert sources[engine.drafter.lookup] and sources[engine.drafter.model]  # each drafted somewhere
-
-
 def test_export_copies_the_corpus_shipped_for_its_target(tiny_checkpoint, tiny_distill_data, tmp_path, monkeypatch):
     import specdec
     from specdec.export import eagle

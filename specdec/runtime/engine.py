@@ -255,7 +255,7 @@ class Engine:
             if kind == "model":
                 return model
             # Shares the model drafter (and its KV) with kind "model": one copy of the draft weights.
-            return self._hybrid(model, tree=False)
+            return HybridDrafter(NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM), model)
         if kind == "layerskip":
             if not isinstance(self.target, SplitTarget):
                 raise SpecdecError(f"bundle {self.path} has no LayerSkip exit", "re-export with --drafter layerskip")
@@ -266,8 +266,7 @@ class Engine:
 
     def _hybrid(self, heads: Drafter, tree: bool) -> HybridDrafter:
         """Lookup where it matches (prompt lookup, then the bundle's corpus of the target's answers if it has one),
-        else `heads` (a draft model, or EAGLE / Medusa heads); `tree`: both as branches of one tree where the lookup
-        matches (heads only: a draft model keeps its proposals in its KV)."""
+        else `heads`; `tree`: both as branches of one tree where the lookup matches."""
         m = self.manifest
         lookup = (corpus_drafter(self.path, m) if m.drafter.corpus
                   else NgramDrafter(max_ngram=m.drafter.max_ngram, min_ngram=LOOKUP_MIN_NGRAM))
