@@ -80,7 +80,8 @@ def mode_engine(bundle, law: TargetLaw) -> specdec.Engine:
 
 
 def cfg(sampling: SamplingConfig, k: int) -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=3, sampling=sampling, draft_len=k, chat=False)
+    # the first token and the two checked; and a budget that leaves the first round room for all k drafts
+    return GenerationConfig(max_new_tokens=max(3, 2 + k), sampling=sampling, draft_len=k, chat=False)
 
 
 # ---- Engine

@@ -508,7 +508,7 @@ class BatchedEngine:
         return row
 
     def _auto_widths(self, rows: dict[int, _Row], limit: int, drafts: dict[int, Draft],
-                     alone: bool = False) -> dict[int, int]:
+                     alone: bool = False, left: dict[int, int] | None = None) -> dict[int, int]:
         """draft_len "auto" for a batch: one draft count m for the round, maximising the batch's expected tokens
         per second, sum over rows of (1 - a_r^(m_r+1)) / (1 - a_r), over the measured cost of a full-batch step
         of width m+1 plus m full-batch draft steps (the first at width 2). The width is shared: one row drafting 8 makes every row pay for 9
@@ -524,6 +524,8 @@ class BatchedEngine:
         if self.draft_model is None:
             looked = {r: row.drafter.propose(row.context, k_max) for r, row in rows.items()}
             found = {r: d.k for r, d in looked.items()}
+        if left is not None:  # drafts past a row's budget would be verified only to be cut
+            found = {r: max(min(n, left[r]), 0) for r, n in found.items()}
 
         def cost(m: int) -> float:  # the first draft step is charged at width 2 (see _measure_costs)
             return verify_s[m] + (draft2_s + (m - 1) * draft1_s if m > 0 else 0.0)
@@ -554,11 +556,13 @@ class BatchedEngine:
         # GQA needs length + T <= max_len for every active row: the fullest row caps everyone's draft.
         limit = min(min(kv.max_len - int(kv.lengths[r]) for r in rows) - 1, MAX_STEP - 1)
         auto = {r for r, row in rows.items() if isinstance(row.policy, AdaptiveDraftLen)}
-        ks = {r: (row.policy.next_k(limit) if row.policy is not None and r not in auto else 0)
+        # and no row drafts past its budget: a round emits its accepted drafts and one token of the target's
+        left = {r: row.cfg.max_new_tokens - len(row.out.ids) - 1 for r, row in rows.items()}
+        ks = {r: (row.policy.next_k(max(min(limit, left[r]), 0)) if row.policy is not None and r not in auto else 0)
               for r, row in rows.items()}
         drafts: dict[int, Draft] = {}
         if auto:
-            ks.update(self._auto_widths({r: rows[r] for r in auto}, limit, drafts, alone=len(rows) == 1))
+            ks.update(self._auto_widths({r: rows[r] for r in auto}, limit, drafts, alone=len(rows) == 1, left=left))
         if self.draft_model is not None:
             want = {r: (rows[r].context, k, rows[r].cfg.sampling, rows[r].rng) for r, k in ks.items() if k > 0}
             drafts = self.draft_model.propose(want) if want else {}

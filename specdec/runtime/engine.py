@@ -398,7 +398,7 @@ class Engine:
         n_new = 0
         try:
             for tokens in speculate(self.target, drafter, prompt_ids, n_cached, policy or FixedDraftLen(0),
-                                    cfg.sampling, rng, stats):
+                                    cfg.sampling, rng, stats, cfg.max_new_tokens):
                 self.cached_ids = self.cached_ids[:int(kv.lengths[0])]
                 cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
                 tokens = tokens[:cut][: cfg.max_new_tokens - n_new]

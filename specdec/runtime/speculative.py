@@ -95,8 +95,10 @@ def verify_chain(target: Decoder, step: np.ndarray, draft: Draft, sampling: Samp
 
 def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int], n_cached: int,
               draft_len: DraftLenPolicy, sampling: SamplingConfig, rng: np.random.Generator,
-              stats: SpecStats) -> Iterator[list[int]]:
+              stats: SpecStats, max_new_tokens: int | None = None) -> Iterator[list[int]]:
     """Yield the tokens of each round. The first `n_cached` prompt tokens are already in the target's KV.
+    With `max_new_tokens`, a round drafts no more than the budget can still take: a draft past it would be
+    verified only to be cut.
 
     Invariant: after a round the KV holds every emitted token but the last one, which is the next
     round's first input. Rejected drafts are never rolled back explicitly: their K/V lie past the valid
@@ -108,14 +110,19 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
     token = select_token(last_logits, sampling, rng)
     stats.prompt_tokens, stats.prefill_s = len(prompt_ids), time.perf_counter() - t0
     yield [token]
+    n_new = 1
     context = [*prompt_ids, token]
     t0 = time.perf_counter()  # before begin(): a drafter's own prefill is a cost of decoding this way
     if drafter is not None:
         drafter.begin(prompt_ids, sampling, rng)
     try:
         while (room := kv.max_len - int(kv.lengths[0])) > 0:
+            # a round emits its accepted drafts and one token of the target's own
+            left = max_new_tokens - n_new if max_new_tokens is not None else room
+            if left <= 0:
+                return
             source = drafter.source(context) if drafter is not None else ""
-            k = draft_len.next_k(min(room - 1, MAX_STEP - 1), source) if drafter is not None else 0
+            k = draft_len.next_k(min(room - 1, left - 1, MAX_STEP - 1), source) if drafter is not None else 0
             proposed = k > 0
             t_round = time.perf_counter()
             draft = draft_len.cut(drafter.propose(context, k), source) if proposed else NO_DRAFT
@@ -137,6 +144,7 @@ def speculate(target: Decoder, drafter: Drafter | None, prompt_ids: Sequence[int
             stats.record(draft.k, n_accepted)
             new = [*map(int, draft.tokens[accepted]), token]
             context += new
+            n_new += len(new)
             stats.decode_s = time.perf_counter() - t0
             yield new
     finally:
