@@ -1046,7 +1046,9 @@ def engine_label(name: str) -> str:
     if head.startswith("specdec"):
         drafter = rest.split(":")[0] or "none"
         label = _DRAFTER_LABELS.get(drafter, drafter)
-        return f"specdec, {label}" + ("" if drafter == "none" else f" (`{rest}`)")
+        variant = head[len("specdec"):]  # specdec-V: the bundle <prefix>-V
+        where = f", bundle `{variant}`" if variant else ""
+        return f"specdec, {label}" + ("" if drafter == "none" and not variant else f" (`{rest}`{where})")
     return name
 
 

@@ -178,14 +178,26 @@ def test_export_check_refuses_a_wrong_graph(tiny_gguf, tmp_path, monkeypatch):
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
 
 
-def test_gguf_draft_model_in_one_command(tiny_gguf, tmp_path):
-    """`--drafter model:DRAFT.gguf`: the draft is streamed into the same bundle; drafting is lossless."""
+@pytest.mark.parametrize("draft_precision, bits", [("int4", 4), ("own", None)])
+def test_gguf_draft_model_in_one_command(tiny_gguf, tmp_path, draft_precision, bits):
+    """`--drafter model:DRAFT.gguf`: the draft is streamed into the same bundle, by default rounded to int4 in the
+    largest block up to 128 that its widths fill (256 wide: 128), else at the file's own codes; its steps are never
+    padded (only the target's must be step-width invariant); drafting is lossless."""
+    import onnx
+
     from conftest import make_tokenizer
 
     draft = write_gguf(tmp_path / "draft.gguf", make_tokenizer(), n_layers=1, seed=3)
     out = tmp_path / "b"
-    m = export_bundle(tiny_gguf, out, ExportConfig(drafter=f"model:{draft}", max_len=128))
-    assert m.graphs["draft"].file == "draft/target.onnx" and m.drafter.kind == "model"
+    m = export_bundle(tiny_gguf, out, ExportConfig(drafter=f"model:{draft}", max_len=128,
+                                                   draft_precision=draft_precision))
+    g = m.graphs["draft"]
+    assert g.file == "draft/target.onnx" and m.drafter.kind == "model" and g.min_step_tokens == 1
+    assert g.checks["max_abs_logit_diff_vs_reference_forward"] <= g.checks["tolerance"]
+    assert g.quant.get("bits") == bits and g.quant.get("block_size") == (128 if bits else None)
+    nodes = onnx.load(out / g.file, load_external_data=False).graph.node
+    blocks = {a.i for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"}
+    assert blocks == ({128} if bits else {16, 32})  # own codes: Q4_K in 32s, Q6_K in 16s
     plain = specdec.load(out, drafter="none")
     spec = specdec.load(out, drafter="model")
     want = plain.generate("the quick brown", GenerationConfig(max_new_tokens=16, draft_len=0)).token_ids
@@ -322,6 +334,39 @@ def test_loading_leaves_no_weight_file_pages_resident(tiny_gguf_bundle, tmp_path
         want = specdec.load(bundle, drafter="none").generate(
             "the quick brown fox", GenerationConfig(max_new_tokens=16, draft_len=0)).token_ids
     assert got == want
+
+
+def test_block_size_sets_the_rounding_of_an_int4_export(tiny_gguf, tmp_path):
+    """`--block-size 256`: one scale per 256 weights in every MatMulNBits (head included), recorded in the manifest,
+    a smaller weight file than blocks of 32, the graph still checked against its reference forward, and
+    speculation still token-identical to plain decoding."""
+    import onnx
+
+    sizes = {}
+    for bs in (None, 256):
+        out = tmp_path / f"b{bs}"
+        m = export_bundle(tiny_gguf, out, ExportConfig(drafter="ngram", precision="int4", fast_kernels=True,
+                                                        max_len=128, block_size=bs))
+        t = m.graphs["target"]
+        assert t.quant["block_size"] == (bs or 32)
+        assert t.checks["max_abs_logit_diff_vs_reference_forward"] <= t.checks["tolerance"]
+        graph = onnx.load(out / "target.onnx", load_external_data=False).graph
+        blocks = {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"}
+        assert blocks == {bs or 32}
+        sizes[bs] = sum(f.stat().st_size for f in out.iterdir() if f.name.startswith("target"))
+    assert sizes[256] < sizes[None]
+    plain = specdec.load(tmp_path / "b256", drafter="none")
+    spec = specdec.load(tmp_path / "b256", drafter="ngram")
+    prompt = "the quick brown fox the quick brown fox"
+    want = plain.generate(prompt, GenerationConfig(max_new_tokens=24, draft_len=0)).token_ids
+    assert spec.generate(prompt, GenerationConfig(max_new_tokens=24, draft_len=3)).token_ids == want
+
+
+@pytest.mark.parametrize("kwargs, says", [({"precision": "fp32", "block_size": 64}, "--block-size applies to"),
+                                          ({"precision": "int4", "block_size": 48}, "power of two >= 16")])
+def test_block_size_refusals(kwargs, says):
+    with pytest.raises(SpecdecError, match=says):
+        ExportConfig(drafter="none", **kwargs)
 
 
 def test_int4_of_a_gguf_streams_rounding_each_layer(tiny_gguf, tmp_path):

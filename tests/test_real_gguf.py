@@ -142,12 +142,15 @@ def test_fetch_refuses_a_corrupt_part(tmp_path):
 
 
 def test_qwen15_with_its_05_draft_in_one_bundle(tmp_path_factory):
-    """The field's standard pairing in one command: the 1.5B target and the 0.5B draft, both at their own codes;
-    the export stays within 3 GB and drafting is token-identical to plain decoding."""
+    """The field's standard pairing in one command: the 1.5B target at its own codes and the 0.5B draft rounded to
+    int4 in blocks of 128 (the default draft precision); the export stays within 3 GB and drafting is
+    token-identical to plain decoding."""
     target, draft = fetched("qwen-1.5b"), fetched("qwen-0.5b")
     out = tmp_path_factory.mktemp("qwen") / "q15"
     peak = export_in_child([target, "--drafter", f"model:{draft}", "--max-len", "1024"], out)
     assert peak < 3.0e9, peak
+    g = json.loads((out / "specdec.json").read_text())["graphs"]["draft"]
+    assert g["precision"] == "int4" and g["quant"]["block_size"] == 128 and g["min_step_tokens"] == 1
     plain = specdec.load(out, drafter="none")
     spec = specdec.load(out, drafter="model")
     want = plain.generate(PROMPTS[0], GenerationConfig(max_new_tokens=32, draft_len=0))

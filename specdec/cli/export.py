@@ -40,9 +40,17 @@ from specdec.errors import SpecdecError
 @click.option("--fast-kernels", is_flag=True,
               help="int8/int4: int8-activation kernels, the fastest CPU bundle; every step runs >= 2 tokens so "
                    "speculation stays token-identical (see `specdec quantize --help`).")
+@click.option("--block-size", type=int, default=None,
+              help="int8/int4: weights per quantization scale (power of two >= 16; default 32). Larger: a smaller "
+                   "bundle and faster steps, less exact rounding; for a draft model (e.g. 256), whose rounding "
+                   "never changes the output.")
+@click.option("--draft-precision", type=click.Choice(["int4", "int8", "own"]), default="int4", show_default=True,
+              help="model:PATH with a GGUF file or checkpoint folder: round the draft model to int4/int8 with the "
+                   "fastest CPU kernels (its rounding never changes the output, only how often its drafts are "
+                   "accepted), or keep its own precision. A draft bundle is copied as it is.")
 @friendly
 def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_layer, exit_adapter, calib_prompts, heads,
-           heads_precision, corpus, fast_kernels):
+           heads_precision, corpus, fast_kernels, block_size, draft_precision):
     """Export MODEL (HF checkpoint folder or .gguf; default: SmolLM2-135M-Instruct) into a bundle."""
     from specdec.export.bundle import ExportConfig, export_bundle
     from specdec.export.layerskip import LayerSkipConfig
@@ -53,7 +61,7 @@ def export(model, out_dir, drafter, precision, max_len, draft_len, force, exit_l
                                 prompts=calib_prompts)
     cfg = ExportConfig(drafter=drafter, precision=precision, max_len=max_len, draft_len=draft_len, force=force,
                        layerskip=layerskip, heads=heads, heads_precision=heads_precision, corpus=corpus,
-                       fast_kernels=fast_kernels)
+                       fast_kernels=fast_kernels, block_size=block_size, draft_precision=draft_precision)
     t0 = time.perf_counter()
     with stage_progress() as step:
         manifest = export_bundle(model, out_dir, cfg, step=step)

@@ -20,7 +20,8 @@ from specdec.export.graph import (CONTROL_INPUTS, DecoderWeights, build_decoder_
                                   kv_output_names, model_config_from_hf, save_graph, weights_from_torch)
 from specdec.export.layerskip import LayerSkipConfig
 from specdec.export.verify import check_logits, measure_min_step_tokens
-from specdec.quant.weight_only import FAST_TARGET_PRESETS, SELF_DRAFT_PRESETS, TARGET_PRESETS, quantize_weights
+from specdec.quant.weight_only import (FAST_TARGET_PRESETS, SELF_DRAFT_PRESETS, TARGET_PRESETS, WeightQuantConfig,
+                                      quantize_weights)
 from specdec.runtime.manifest import (ARGMAX_ROWS, ATTENTION_BIAS, LOGITS_ROWS, MANIFEST_NAME, DrafterSpec, GraphSpec, Manifest, ModelConfig, TokenizerSpec,
                                       read_manifest)
 from specdec.export.source import is_gguf
@@ -36,6 +37,11 @@ EXPORT_PRECISIONS = ("auto", "fp32", "fp16", *TARGET_PRESETS, "gguf")
 # EAGLE head, and a draft model given as a bundle, a GGUF file or a checkpoint folder. The others (self-int8/int4,
 # layerskip, medusa) are built from the fp32 torch model.
 GGUF_DRAFTERS = ("none", "ngram", "eagle")
+DRAFT_PRECISIONS = ("int4", "int8", "own")
+# The largest block a streamed draft model is rounded in (ExportConfig.draft_precision): a 0.5B int4 draft of a
+# 1.5B target in blocks of 128 costs 0.22 of a target step against 0.29 in blocks of 32
+# (bench/results/qwen/step_curve_1.5b_0.5b_int4_block128.json)
+DRAFT_BLOCK = 128
 # A LayerSkip split (exit + tail) runs the target's own arithmetic: it may differ from the whole graph only by
 # kernel rounding (fp32 ~1e-5; fp16 and the weight-only kernels' fp32 accumulation ~1e-3).
 SPLIT_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "int8": 1e-2, "int4": 1e-2}
@@ -76,6 +82,15 @@ class ExportConfig:
     # A checkpoint folder's safetensors streamed tensor by tensor (export/hf_source.py: bounded memory, no torch)
     # where the drafter and precision allow it; False: loaded whole as a torch model, as every other combination is.
     stream: bool = True
+    # int8/int4: weights per quantization scale in place of the preset's (None: the preset's 32). Larger blocks make a
+    # smaller bundle and faster steps (onnxruntime's int8-activation kernels run ~1.7x faster on blocks of 256 than of
+    # 32 from a few rows on) and round less exactly: worth it for a draft model, whose numerics never reach the output.
+    block_size: int | None = None
+    # A draft model given as a GGUF file or checkpoint folder (drafter model:PATH): "int4" / "int8" rounds it with
+    # int8-activation kernels in blocks of up to DRAFT_BLOCK (its numerics never reach the output, only how often
+    # its drafts are accepted, and a cheaper draft token is what speculation on a CPU needs); "own" keeps a GGUF's
+    # own codes (a checkpoint: fp32). A draft bundle is copied as it is.
+    draft_precision: str = "int4"
 
     def __post_init__(self) -> None:
         if self.precision not in EXPORT_PRECISIONS:
@@ -90,6 +105,15 @@ class ExportConfig:
         if self.fast_kernels and self.drafter == "layerskip":
             raise SpecdecError("--fast-kernels is not built into a layerskip export",
                                "export with --drafter layerskip, then `specdec quantize DIR --to int4 --fast-kernels`")
+        if self.block_size is not None:
+            if self.precision not in FAST_TARGET_PRESETS:
+                raise SpecdecError(f"--block-size applies to --precision {' or '.join(FAST_TARGET_PRESETS)}, not "
+                                   f"{self.precision}")
+            if self.block_size < 16 or self.block_size & (self.block_size - 1):
+                raise SpecdecError(f"--block-size must be a power of two >= 16, got {self.block_size}")
+        if self.draft_precision not in DRAFT_PRECISIONS:
+            raise SpecdecError(f"unknown draft precision {self.draft_precision!r}",
+                               f"choose one of {', '.join(DRAFT_PRECISIONS)}")
         if self.heads_precision not in ("fp32", "int8"):
             raise SpecdecError(f"unknown heads precision {self.heads_precision!r}", "choose fp32 or int8")
         if self.heads is not None and self.drafter not in ("eagle", "medusa"):
@@ -106,6 +130,15 @@ class ExportConfig:
     def streams_gguf(self) -> bool:
         """Whether a GGUF target (or a checkpoint folder) with this drafter can be streamed (export/gguf_export.py)."""
         return self.drafter in GGUF_DRAFTERS or self.drafter.startswith("model:")
+
+    @property
+    def quant_preset(self) -> WeightQuantConfig | None:
+        """The rounding of an int8/int4 export: the precision's preset, with --block-size where given."""
+        presets = FAST_TARGET_PRESETS if self.fast_kernels else TARGET_PRESETS
+        if self.precision not in presets:
+            return None
+        preset = presets[self.precision]
+        return preset if self.block_size is None else replace(preset, block_size=self.block_size)
 
     @property
     def default_draft_len(self) -> int | str:
@@ -128,14 +161,14 @@ def _graph_spec(file: str, cfg: ModelConfig, precision: str, n_layers: int, hidd
 
 
 def target_graph(model_cfg: ModelConfig, weights: DecoderWeights, precision: str, fast_kernels: bool = False,
-                 **build) -> onnx.ModelProto:
+                 preset: WeightQuantConfig | None = None, **build) -> onnx.ModelProto:
     """The target's graph, or a slice of it (`build`: n_layers / first_layer / logits of a LayerSkip split), at
     `precision` (int8/int4 with `fast_kernels`: FAST_TARGET_PRESETS). Slices are built and quantized exactly as the
     whole target is, so their weights equal the target's byte for byte and save_graph_sharing points them into its
-    weight file instead of copying them."""
+    weight file instead of copying them. `preset` replaces the precision's rounding (ExportConfig.quant_preset)."""
     if precision in ("fp32", "fp16"):
         return build_decoder_graph(model_cfg, weights, dtype=np.float16 if precision == "fp16" else np.float32, **build)
-    preset = (FAST_TARGET_PRESETS if fast_kernels else TARGET_PRESETS)[precision]
+    preset = preset or (FAST_TARGET_PRESETS if fast_kernels else TARGET_PRESETS)[precision]
     return quantize_weights(build_decoder_graph(model_cfg, weights, **build), preset)
 
 
@@ -215,10 +248,11 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
         # is not what bounds a step.
         exact_argmax = cfg.precision == "fp32" or (cfg.precision in presets and
                                                    not presets[cfg.precision].quantizes_head)
-        save_graph(target_graph(model_cfg, weights, cfg.precision, fast_kernels=cfg.fast_kernels, hidden_layers=taps,
-                                tree=tree, argmax=True, logits_rows=True, exact_argmax=exact_argmax),
+        save_graph(target_graph(model_cfg, weights, cfg.precision, fast_kernels=cfg.fast_kernels,
+                                preset=cfg.quant_preset, hidden_layers=taps, tree=tree, argmax=True, logits_rows=True,
+                                exact_argmax=exact_argmax),
                    partial / "target.onnx")
-        quant = presets[cfg.precision].to_dict() if cfg.precision in presets else None
+        quant = cfg.quant_preset.to_dict() if cfg.quant_preset is not None else None
         graphs["target"] = _graph_spec("target.onnx", model_cfg, cfg.precision, L, hidden=taps, tree=tree, quant=quant,
                                        target=True, exact_argmax=exact_argmax)
         step("checking target graph against transformers")
@@ -265,7 +299,8 @@ def export_bundle(model_path: str | Path | None, out_dir: str | Path, cfg: Expor
             step(f"writing layerskip graphs (exit at layer {calib.exit_layer} of {L})")
             split_graphs, fields_ = write_layerskip(
                 partial, model_cfg, weights, calib, precision=cfg.precision,
-                build=lambda **slice_: target_graph(model_cfg, weights, cfg.precision, **slice_))
+                build=lambda **slice_: target_graph(model_cfg, weights, cfg.precision, preset=cfg.quant_preset,
+                                                    **slice_))
             graphs.update(split_graphs)
             diff = check_split(partial, graphs, model_cfg.vocab_size)
             if not diff <= SPLIT_TOLERANCE[cfg.precision]:
@@ -329,7 +364,7 @@ def _draft_model(partial: Path, cfg: ExportConfig, tok_spec: TokenizerSpec, step
         step(f"copying draft model from {draft_bundle}")
         graph = _copy_draft_bundle(draft_bundle, partial, tok_spec)
     else:
-        graph = _stream_draft(draft_streamed, partial, step)
+        graph = _stream_draft(draft_streamed, partial, step, cfg.draft_precision)
     return graph, DrafterSpec(kind="model", graph="draft", draft_len=cfg.default_draft_len)
 
 
@@ -432,19 +467,35 @@ def _check_streamed_draft_vocab(path: Path, target_digest: str) -> None:
                            "a draft model must share the target's tokenizer")
 
 
-def _stream_draft(path: Path, partial: Path, step) -> GraphSpec:
+def _stream_draft(path: Path, partial: Path, step, draft_precision: str) -> GraphSpec:
     """A draft model given as a GGUF file or a checkpoint folder (vocabulary checked already), streamed into
-    `draft/`: a GGUF at its own precision, a checkpoint's safetensors as fp32."""
+    `draft/`: rounded to int4/int8 (ExportConfig.draft_precision), or at its own precision (a GGUF's codes, a
+    checkpoint's safetensors as fp32). Its steps are never padded: only the target's must be T-invariant."""
     from specdec.export.gguf_export import export_gguf_graph
     from specdec.export.gguf_source import GGUFSource
     from specdec.export.hf_source import SafetensorsSource
 
     src = GGUFSource(path) if is_gguf(path) else SafetensorsSource(path)
     precision = "gguf" if src.quantized else "fp32"
+    block = draft_block(src.config)
+    if draft_precision in FAST_TARGET_PRESETS and block < 16:  # no block grid fits its shapes
+        step("the draft model's widths fill no blocks of 16: kept at its own precision")
+        draft_precision = "own"
+    if draft_precision in FAST_TARGET_PRESETS:
+        from specdec.export.rounded import RoundedSource
+
+        preset = replace(FAST_TARGET_PRESETS[draft_precision], block_size=block)
+        src, precision = RoundedSource(src, preset, draft_precision), "gguf"
     (partial / "draft").mkdir(exist_ok=True)
-    step(f"writing draft graph ({precision}) from {path.name}")
-    spec = export_gguf_graph(src, partial / "draft" / "target.onnx", precision, step, what="draft")
+    step(f"writing draft graph ({draft_precision if draft_precision != 'own' else precision}) from {path.name}")
+    spec = export_gguf_graph(src, partial / "draft" / "target.onnx", precision, step, what="draft", invariance=False)
     return replace(spec, file="draft/target.onnx")
+
+
+def draft_block(cfg: ModelConfig) -> int:
+    """The largest block of at most DRAFT_BLOCK weights that divides every matrix's inputs of a model."""
+    inputs = (cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.intermediate_size)
+    return min(DRAFT_BLOCK, *(k & -k for k in inputs))
 
 
 def _export_streamed(src, out_dir: Path, cfg: ExportConfig, step, draft_bundle: Path | None,
@@ -471,8 +522,7 @@ def _export_streamed(src, out_dir: Path, cfg: ExportConfig, step, draft_bundle: 
         if precision in ("int8", "int4"):  # rounded as each layer is read: a carried source of its own
             from specdec.export.rounded import RoundedSource
 
-            target = RoundedSource(src, (FAST_TARGET_PRESETS if cfg.fast_kernels else TARGET_PRESETS)[precision],
-                                   precision)
+            target = RoundedSource(src, cfg.quant_preset, precision)
             precision = "gguf"
         heads, _ = _heads(cfg, model_cfg, gguf_fingerprint(src))
         # An EAGLE head reads the target's residual stream; a carried target pads its narrow steps to keep them

@@ -159,8 +159,9 @@ def check_gguf_graph(src: GGUFSource, path: Path, spec: GraphSpec, precision: st
 
 
 def export_gguf_graph(src: GGUFSource, path: Path, precision: str, step: Callable, what: str = "target",
-                      taps: tuple[int, ...] = (), tree: bool = False) -> GraphSpec:
-    """Write, check and (carried codes) measure the step-width invariance of one graph; the spec with its checks."""
+                      taps: tuple[int, ...] = (), tree: bool = False, invariance: bool = True) -> GraphSpec:
+    """Write, check and (carried codes, `invariance`) measure the step-width invariance of one graph; the spec with
+    its checks."""
     from specdec.export.verify import measure_min_step_tokens
 
     t0 = time.perf_counter()
@@ -174,7 +175,7 @@ def export_gguf_graph(src: GGUFSource, path: Path, precision: str, step: Callabl
                            f"max |logit diff| {check.max_abs_diff:.2e} {bound}", "please report this model")
     checks = {**check.to_checks(), "export_seconds": round(time.perf_counter() - t0, 1)}
     spec = replace(spec, checks=checks)
-    if precision == "gguf" and accuracy_level(src) == 4:  # the fp32-activation kernels are T-invariant
+    if invariance and precision == "gguf" and accuracy_level(src) == 4:  # fp32-activation kernels are T-invariant
         step(f"measuring the {what} graph's step-width invariance")
         min_step, step_checks = measure_min_step_tokens(path, spec)
         spec = replace(spec, min_step_tokens=min_step, checks={**spec.checks, **step_checks})

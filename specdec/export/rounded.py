@@ -70,7 +70,9 @@ class RoundedSource:
         bs = self.cfg.block_size
         K, N = w.shape
         if K % bs:
+            fits = K & -K  # the largest power of two dividing K
             raise SpecdecError(f"a weight with {K} inputs does not fill blocks of {bs}",
+                               f"pass --block-size {fits} or less" if fits >= 16 else
                                "export with --precision fp32, or use `specdec quantize` on an fp32 bundle")
         chunks = [slice(n0, min(N, n0 + CHUNK_COLS)) for n0 in range(0, N, CHUNK_COLS)]
         tried = ((4, True), (4, False), (8, True), (8, False)) if self.cfg.method == "minmax" else ()
