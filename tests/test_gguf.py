@@ -372,13 +372,20 @@ def test_block_size_refusals(kwargs, says):
 def test_int4_of_a_gguf_streams_rounding_each_layer(tiny_gguf, tmp_path):
     """`--precision int4 --fast-kernels` of a GGUF streams (export/rounded.py: no torch model): each layer is read
     as floats and rounded to 4-bit blocks of 32 (a weight already on such a grid would be re-encoded exactly), the
-    head to 8 bits. The graph matches a reference forward of the rounded weights, every step runs >= 2 positions,
-    and speculation is token-identical to plain decoding."""
+    head to 8 bits; the untied embedding keeps the file's own codes (gathered a few rows a step: rounding it again
+    saves no time, float32 would quadruple it). The graph matches a reference forward of the rounded weights, every
+    step runs >= 2 positions, and speculation is token-identical to plain decoding."""
+    import onnx
+
     m = export_bundle(tiny_gguf, tmp_path / "b", ExportConfig(drafter="ngram", precision="int4", fast_kernels=True,
                                                                max_len=128))
     t = m.graphs["target"]
     assert t.precision == "int4" and t.quant["method"] == "matmul_nbits_minmax" and t.min_step_tokens == 2
-    assert t.quant["formats"] == {"4bit_sym_rtn": 2 * 5, "8bit_sym_rtn": 1}  # 5 matrices a layer, the head
+    # 5 matrices a layer, the head, the embedding
+    assert t.quant["formats"] == {"4bit_sym_rtn": 2 * 5, "8bit_sym_rtn": 1, "Q5_0": 1}
+    graph = onnx.load(tmp_path / "b" / "target.onnx", load_external_data=False).graph
+    assert "GatherBlockQuantized" in {n.op_type for n in graph.node}
+    assert not any(i.name == "embed.weight" for i in graph.initializer)
     assert t.checks["max_abs_logit_diff_vs_reference_forward"] <= t.checks["tolerance"]
     plain = specdec.load(tmp_path / "b", drafter="none")
     spec = specdec.load(tmp_path / "b", drafter="ngram")

@@ -141,6 +141,10 @@ class GGUFSource:
     def quantized_tensor(self, name: str) -> bool:
         return self.tensor(name).fmt not in FLOAT_TYPES
 
+    def carries(self, name: str) -> bool:
+        """Whether the tensor's codes go into onnxruntime's kernels exactly (matrix(name, carry_codes=True))."""
+        return self.tensor(name).fmt in CARRIED
+
     def stored_dtype(self, name: str) -> str:
         """The tensor's ggml type name ("F16", "Q4_K", ...)."""
         return self.tensors[name].tensor_type.name
