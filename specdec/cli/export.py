@@ -42,8 +42,8 @@ from specdec.errors import SpecdecError
                    "speculation stays token-identical (see `specdec quantize --help`).")
 @click.option("--block-size", type=int, default=None,
               help="int8/int4: weights per quantization scale (power of two >= 16; default 32). Larger: a smaller "
-                   "bundle and faster steps, less exact rounding; for a draft model (e.g. 256), whose rounding "
-                   "never changes the output.")
+                   "bundle and faster steps, less exact rounding: for a bundle meant as a draft model, whose rounding "
+                   "never changes the output (a GGUF given as --drafter model:PATH gets blocks of up to 128).")
 @click.option("--draft-precision", type=click.Choice(["int4", "int8", "own"]), default="int4", show_default=True,
               help="model:PATH with a GGUF file or checkpoint folder: round the draft model to int4/int8 with the "
                    "fastest CPU kernels (its rounding never changes the output, only how often its drafts are "

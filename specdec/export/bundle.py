@@ -109,8 +109,10 @@ class ExportConfig:
             if self.precision not in FAST_TARGET_PRESETS:
                 raise SpecdecError(f"--block-size applies to --precision {' or '.join(FAST_TARGET_PRESETS)}, not "
                                    f"{self.precision}")
-            if self.block_size < 16 or self.block_size & (self.block_size - 1):
-                raise SpecdecError(f"--block-size must be a power of two >= 16, got {self.block_size}")
+            try:
+                self.quant_preset  # the preset validates the block size
+            except ValueError as e:
+                raise SpecdecError(f"--block-size: {e}") from None
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise SpecdecError(f"unknown draft precision {self.draft_precision!r}",
                                f"choose one of {', '.join(DRAFT_PRECISIONS)}")
