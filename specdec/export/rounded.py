@@ -63,9 +63,7 @@ class RoundedSource:
     def quantized_tensor(self, name: str) -> bool:
         """The head (or the tied embedding serving as it) when the preset rounds it, and an untied embedding the
         source carries as codes; layers are rounded in layer()."""
-        if name == self._head_name():
-            return self.cfg.quantizes_head
-        return name == self.src.embed_name and self._own_embedding
+        return self._rounds(name) or (name == self.src.embed_name and self._own_embedding)
 
     @functools.cached_property
     def _own_embedding(self) -> bool:
@@ -121,7 +119,7 @@ class RoundedSource:
 
     # ------------------------------------------------------------------------------------------ the interface
     def matrix(self, name: str, carry_codes: bool = False, rows: np.ndarray | None = None):
-        if name != self._head_name() or not self.quantized_tensor(name):  # the source's own (codes or floats)
+        if not self._rounds(name):  # the source's own (codes or floats)
             carried = carry_codes and self.quantized_tensor(name)
             return self._written(self.src.matrix(name, True, rows)) if carried else self.src.matrix(name, False, rows)
         c = self._rounded_head()
@@ -129,6 +127,7 @@ class RoundedSource:
         return self._written(c) if carry_codes else np.ascontiguousarray(c.dequantize().T)
 
     def _rounds(self, name: str) -> bool:
+        """Whether this tensor is the head (or the tied embedding serving as it) and the preset rounds it."""
         return name == self._head_name() and self.cfg.quantizes_head
 
     def floats(self, name: str) -> np.ndarray:
